@@ -1,0 +1,158 @@
+"""Full cache vs SnapKV on the embedded model, side by side in one run.
+
+For each method: prefill seconds (best of --repeats), peak RSS growth during the prefill, KV bytes,
+time to first token, decode ms/token over --decode-tokens forced tokens, and whether the needle was
+found. Each method runs in its own child process so that one method's freed memory cannot hide
+another's peak.
+
+    .venv/bin/python benchmarks/prefill_decode.py --tokens 7000 --budget 1024
+"""
+
+import argparse
+import json
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+
+FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
+
+
+class PeakRSS:
+    """Samples this process's RSS in a thread; `peak_growth` is the most it rose above the start."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval = interval
+        self._stop = threading.Event()
+        self.start_rss = self.peak_rss = 0
+
+    def __enter__(self):
+        self.start_rss = self.peak_rss = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
+            time.sleep(self._interval)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
+
+    @property
+    def peak_growth(self) -> int:
+        return self.peak_rss - self.start_rss
+
+
+def measure(method: str, args: argparse.Namespace, results) -> None:
+    import torch
+
+    from snapkv.config import SnapKVConfig
+    from snapkv.generation import answer, prefill
+    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
+    from snapkv.models import load_model
+    from snapkv.prompting import context_ids, question_ids
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    haystack = build_haystack(tokenizer, FILLER.read_text(), args.tokens, 0.5, "48613")
+    ids = context_ids(tokenizer, haystack.text)
+    question = question_ids(tokenizer, NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
+    config = None if method == "full" else SnapKVConfig(
+        budget=args.budget, window=args.window, kernel=args.kernel, pooling=args.pooling,
+        query_aware=(method == "snapkv-query-aware"),
+    )
+    tier = None if config is None else config.stored_tier
+    per_question = config if config is not None and config.query_aware else None
+
+    prefill_seconds = []
+    peak_growth = []
+    for _ in range(args.repeats):
+        cache = None
+        with PeakRSS() as rss:
+            started = time.perf_counter()
+            cache = prefill(model, ids, tier)
+            prefill_seconds.append(time.perf_counter() - started)
+        peak_growth.append(rss.peak_growth)
+
+    needle_text = "".join(tokenizer.decode([t]) for t in answer(
+        model, cache, question, per_question=per_question, max_new_tokens=8, stop_ids=loaded.stop_ids))
+
+    started = time.perf_counter()
+    stream = answer(model, cache, question, per_question=per_question, max_new_tokens=args.decode_tokens)
+    next(stream)
+    first_token = time.perf_counter()
+    count = 1 + sum(1 for _ in stream)
+    ended = time.perf_counter()
+    results[method] = {
+        "method": method,
+        "tokens": cache.original_length,
+        "budget": None if config is None else config.budget,
+        "prefill_seconds": min(prefill_seconds),
+        "prefill_peak_rss_growth_bytes": min(peak_growth),
+        "kv_bytes_stored": cache.kv_bytes,
+        "kv_bytes_full": cache.full_kv_bytes(),
+        "ttft_seconds": first_token - started,
+        "decode_ms_per_token": 1000 * (ended - first_token) / max(count - 1, 1),
+        "needle_found": haystack.number in needle_text,
+        "needle_answer": needle_text.strip(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=7000)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--kernel", type=int, default=15)
+    parser.add_argument("--pooling", default="max")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+
+    context = multiprocessing.get_context("spawn")
+    manager = context.Manager()
+    results = manager.dict()
+    for method in ("full", "snapkv", "snapkv-query-aware"):
+        child = context.Process(target=measure, args=(method, args, results))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"{method} failed with exit code {child.exitcode}")
+    rows = [dict(results[m]) for m in ("full", "snapkv", "snapkv-query-aware")]
+    full = rows[0]
+    print(f"{'method':<20}{'tokens':>7}{'prefill s':>11}{'peak RSS+':>12}{'KV MiB':>9}"
+          f"{'TTFT s':>8}{'decode ms/tok':>15}  needle")
+    for row in rows:
+        print(f"{row['method']:<20}{row['tokens']:>7}{row['prefill_seconds']:>11.2f}"
+              f"{row['prefill_peak_rss_growth_bytes'] / 2**20:>10.0f}Mi{row['kv_bytes_stored'] / 2**20:>9.1f}"
+              f"{row['ttft_seconds']:>8.2f}{row['decode_ms_per_token']:>15.1f}  "
+              f"{'found' if row['needle_found'] else 'missed: ' + row['needle_answer']}")
+    summary = {}
+    for row in rows[1:]:
+        summary[row["method"]] = {
+            "prefill_ratio": row["prefill_seconds"] / full["prefill_seconds"],
+            "decode_speedup": full["decode_ms_per_token"] / row["decode_ms_per_token"],
+            "kv_ratio": full["kv_bytes_stored"] / row["kv_bytes_stored"] if row["kv_bytes_stored"] else None,
+            "kv_ratio_decoding": full["kv_bytes_full"] / row["kv_bytes_full"] * row["tokens"] / row["budget"],
+            "prefill_peak_rss_ratio": row["prefill_peak_rss_growth_bytes"] / max(full["prefill_peak_rss_growth_bytes"], 1),
+        }
+        s = summary[row["method"]]
+        print(f"{row['method']}: prefill {s['prefill_ratio']:.3f}x full, decode {s['decode_speedup']:.2f}x faster, "
+              f"stored KV {s['kv_ratio']:.2f}x smaller, KV while decoding {s['kv_ratio_decoding']:.2f}x smaller "
+              f"(length/budget {row['tokens'] / row['budget']:.2f}), prefill peak RSS growth {s['prefill_peak_rss_ratio']:.2f}x full")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

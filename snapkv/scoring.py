@@ -1,0 +1,91 @@
+"""SnapKV's selection as pure tensor functions: window scores, pooling, GQA mean, kept indices."""
+
+import torch
+import torch.nn.functional as F
+
+
+def window_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """How much attention the observation window pays to every earlier key, per query head.
+
+    window_queries: (batch, q_heads, w, head_dim), after RoPE; the last w positions of the sequence.
+    keys:           (batch, kv_heads, n, head_dim), after RoPE; n >= w, the window's keys last.
+    Returns (batch, q_heads, n - w): the softmax weights (fp32, causal inside the window) summed over
+    the window's queries, for each key before the window.
+    """
+    batch, q_heads, w, head_dim = window_queries.shape
+    kv_heads, n = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    # (batch, kv_heads, group, w, head_dim): query heads grouped by the KV head they share
+    # scaled here, on the small tensor, rather than on the logits
+    grouped = (window_queries.float() * scaling).view(batch, kv_heads, group, w, head_dim)
+    # (batch, kv_heads, group, w, n)
+    logits = torch.einsum("bhgwd,bhnd->bhgwn", grouped, keys.float())
+    # query i of the window sees window key j only if j <= i
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(diagonal=1)
+    logits[..., n - w :].masked_fill_(future, float("-inf"))
+    weights = logits.softmax(dim=-1)
+    # (batch, q_heads, n - w)
+    return weights[..., : n - w].sum(dim=-2).reshape(batch, q_heads, n - w)
+
+
+def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """Smooth scores along the sequence (stride 1, same length) so neighbours of a hit score too.
+
+    scores: (batch, heads, n) -> (batch, heads, n)
+    """
+    if kernel == 1 or scores.shape[-1] == 0:
+        return scores
+    batch, heads, n = scores.shape
+    flat = scores.reshape(batch * heads, 1, n)
+    if pooling == "max":
+        pooled = F.max_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)
+    else:
+        pooled = F.avg_pool1d(flat, kernel_size=kernel, stride=1, padding=kernel // 2)
+    return pooled.reshape(batch, heads, n)
+
+
+def mean_over_query_groups(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Average the scores of the query heads that share one KV head.
+
+    scores: (batch, q_heads, n) -> (batch, kv_heads, n)
+    """
+    batch, q_heads, n = scores.shape
+    return scores.view(batch, kv_heads, q_heads // kv_heads, n).mean(dim=2)
+
+
+def kept_indices(prefix_scores: torch.Tensor, prefix_keep: int, window: int) -> torch.Tensor:
+    """Indices to keep per KV head: the `prefix_keep` best earlier positions plus the whole window.
+
+    prefix_scores: (batch, kv_heads, n - window)
+    Returns (batch, kv_heads, prefix_keep + window), int64, ascending (original order kept).
+    """
+    batch, kv_heads, n_prefix = prefix_scores.shape
+    best = prefix_scores.topk(min(prefix_keep, n_prefix), dim=-1).indices
+    window_positions = torch.arange(n_prefix, n_prefix + window, device=prefix_scores.device)
+    window_positions = window_positions.expand(batch, kv_heads, window)
+    return torch.cat([best, window_positions], dim=-1).sort(dim=-1).values
+
+
+def select_positions(
+    window_queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    prefix_keep: int,
+    kernel: int,
+    pooling: str,
+) -> torch.Tensor:
+    """The whole SnapKV selection for one layer: (batch, kv_heads, prefix_keep + w) sorted indices."""
+    window = window_queries.shape[2]
+    scores = window_attention_scores(window_queries, keys, scaling)
+    scores = pool_scores(scores, kernel, pooling)
+    scores = mean_over_query_groups(scores, keys.shape[1])
+    return kept_indices(scores, prefix_keep, window)
+
+
+def gather_positions(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Keep the given sequence positions of a KV tensor.
+
+    states: (batch, kv_heads, n, head_dim), indices: (batch, kv_heads, k) -> (batch, kv_heads, k, head_dim)
+    """
+    expanded = indices.unsqueeze(-1).expand(-1, -1, -1, states.shape[-1])
+    return states.gather(dim=2, index=expanded)

@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny models of every supported architecture, built in-process, and the embedded model."""
+
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 256
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              max_position_embeddings=1024, tie_word_embeddings=False)
+
+# name -> config of a tiny random model of that architecture
+TINY_CONFIGS = {
+    "llama-gqa": lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "llama-mha": lambda: LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=4),
+    "mistral": lambda: MistralConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2),
+    "qwen3": lambda: Qwen3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+    "phi3": lambda: Phi3Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2),
+    "gemma3": lambda: Gemma3TextConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       sliding_window=16, layer_types=["sliding_attention", "full_attention",
+                                                                       "sliding_attention"]),
+}
+
+
+def build_tiny(name: str, attn_implementation: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    config = TINY_CONFIGS[name]()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    return model.eval()
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def tiny_model(request):
+    return build_tiny(request.param)
+
+
+@pytest.fixture(autouse=True)
+def snapkv_home(tmp_path, monkeypatch):
+    """Every test gets its own snapkv home; the embedded model's conversion is shared (see below)."""
+    monkeypatch.setenv("SNAPKV_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SNAPKV_MODEL", raising=False)
+    return tmp_path / "home"
+
+
+@pytest.fixture(scope="session")
+def embedded_home(tmp_path_factory):
+    """A snapkv home in which the embedded model has been converted, shared by the whole session."""
+    from snapkv.models import convert_gguf, embedded_gguf_path
+
+    home = tmp_path_factory.mktemp("embedded-home")
+    previous = os.environ.get("SNAPKV_HOME")
+    os.environ["SNAPKV_HOME"] = str(home)
+    try:
+        convert_gguf(embedded_gguf_path())
+    finally:
+        if previous is None:
+            os.environ.pop("SNAPKV_HOME", None)
+        else:
+            os.environ["SNAPKV_HOME"] = previous
+    return home
+
+
+@pytest.fixture(scope="session")
+def embedded(embedded_home):
+    """The embedded SmolLM2 model, loaded once per test session."""
+    from snapkv.models import load_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SNAPKV_HOME", str(embedded_home))
+        return load_model()

@@ -1,0 +1,58 @@
+"""The snapkv command as a user runs it: a real process, its exit code, stdout and stderr."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
+
+
+def run_snapkv(*args: str, home: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SNAPKV_HOME": str(home)}
+    env.pop("SNAPKV_MODEL", None)
+    return subprocess.run([sys.executable, "-m", "snapkv_cli", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def test_help_explains_every_option(snapkv_home):
+    result = run_snapkv("ask", "--help", home=snapkv_home)
+    assert result.returncode == 0
+    for option in ("--budget", "--window", "--kernel", "--pooling", "--query-aware", "--no-compress", "--json"):
+        assert option in result.stdout
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["ask", str(SAMPLE), "q", "--budget", "16", "--window", "32"], 2, "budget (16) must be larger"),
+    (["ask", str(SAMPLE), "q", "--budget", "-1"], 2, "budget"),
+    (["ask", str(SAMPLE), "q", "--kernel", "4"], 2, "kernel"),
+    (["ask", "missing.txt", "q"], 4, "no such file"),
+    (["ask", str(SAMPLE), "q", "--model", "missing.gguf"], 3, "no such GGUF file"),
+    (["ask", str(SAMPLE), "q", "--device", "tpu:9"], 2, "device"),
+    (["ask", str(SAMPLE)], 2, "Missing argument"),
+])
+def test_bad_input_gets_a_message_and_an_exit_code(snapkv_home, args, code, message):
+    result = run_snapkv(*args, home=snapkv_home)
+    assert result.returncode == code, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_ask_json_on_the_sample_report(embedded_home):
+    result = run_snapkv("ask", str(SAMPLE), "What was the revenue for the 2023 financial year?",
+                        "Where will the next annual general meeting be held?", "--json", "--budget", "512",
+                        home=embedded_home)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [a["question"] for a in report["answers"]][0].startswith("What was the revenue")
+    assert "184.6" in report["answers"][0]["answer"]
+    assert "Wick" in report["answers"][1]["answer"]
+    assert report["compression"]["method"] == "snapkv" and report["compression"]["budget"] == 512
+    assert report["document"]["tokens"] > 512
+    assert report["compression"]["kv_bytes_full"] >= report["compression"]["kv_bytes"] > 0
+    assert report["timings"]["prefill_seconds"] > 0
+    assert report["model"]["name"] == "SmolLM2-135M-Instruct"

@@ -1,0 +1,68 @@
+"""Settings validation and the pure scoring functions."""
+
+import pytest
+import torch
+
+from snapkv.config import SnapKVConfig
+from snapkv.errors import ConfigError
+from snapkv.scoring import gather_positions, kept_indices, mean_over_query_groups, pool_scores, window_attention_scores
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(budget=0), "budget"),
+    (dict(budget=-5), "budget"),
+    (dict(budget=32, window=32), "budget"),
+    (dict(window=0), "window"),
+    (dict(kernel=4), "kernel"),
+    (dict(kernel=0), "kernel"),
+    (dict(pooling="median"), "pooling"),
+    (dict(budget=1024, store_budget=512), "store_budget"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        SnapKVConfig(**kwargs)
+
+
+def test_stored_tier():
+    assert SnapKVConfig(query_aware=True).stored_tier is None
+    tier = SnapKVConfig(budget=256, query_aware=True, store_budget=2048).stored_tier
+    assert tier.budget == 2048 and not tier.query_aware
+    plain = SnapKVConfig(budget=256, query_aware=False)
+    assert plain.stored_tier == plain
+    assert plain.prefix_keep == 256 - 32
+
+
+def test_window_scores_are_a_causal_softmax():
+    torch.manual_seed(0)
+    queries = torch.randn(1, 4, 3, 8)  # (batch, q_heads, w, d)
+    keys = torch.randn(1, 2, 10, 8)    # (batch, kv_heads, n, d)
+    scores = window_attention_scores(queries, keys, scaling=8 ** -0.5)
+    assert scores.shape == (1, 4, 7)
+    # plain recomputation: head h uses kv head h // 2; window query i sees keys 0..7+i
+    for head in range(4):
+        expected = torch.zeros(7)
+        for i in range(3):
+            logits = keys[0, head // 2, : 8 + i] @ queries[0, head, i] * 8 ** -0.5
+            expected += logits.softmax(-1)[:7]
+        assert torch.allclose(scores[0, head], expected, atol=1e-6)
+
+
+def test_pooling_keeps_length_and_spreads_peaks():
+    scores = torch.zeros(1, 1, 9)
+    scores[0, 0, 4] = 1.0
+    pooled = pool_scores(scores, 3, "max")
+    assert pooled.shape == scores.shape
+    assert pooled[0, 0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert torch.allclose(pool_scores(scores, 3, "avg")[0, 0, 3:6], torch.full((3,), 1 / 3))
+    assert torch.equal(pool_scores(scores, 1, "max"), scores)
+
+
+def test_group_mean_and_selection():
+    scores = torch.tensor([[[1.0, 5.0, 0.0, 2.0], [3.0, 1.0, 0.0, 0.0]]])  # (1, 2 q heads, 4)
+    grouped = mean_over_query_groups(scores, kv_heads=1)
+    assert torch.equal(grouped, torch.tensor([[[2.0, 3.0, 0.0, 1.0]]]))
+    kept = kept_indices(grouped, prefix_keep=2, window=3)
+    # positions 0..3 are the prefix, whose best two are 1 and 0; the window follows: 4, 5, 6
+    assert kept.tolist() == [[[0, 1, 4, 5, 6]]]
+    states = torch.arange(7.0).view(1, 1, 7, 1).expand(1, 1, 7, 2)
+    assert torch.equal(gather_positions(states, kept)[0, 0, :, 0], kept[0, 0].float())

@@ -1,0 +1,245 @@
+"""SnapKV mechanics on tiny random models of every supported architecture."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import VOCAB, build_tiny
+from snapkv.architectures import attention_layers
+from snapkv.compress import CompressionPlan, compressing
+from snapkv.config import SnapKVConfig
+from snapkv.errors import UnsupportedModelError
+from snapkv.generation import answer, prefill
+
+PROMPT_LENGTH = 96
+
+
+def random_ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def compressible_indices(model) -> list[int]:
+    return [layer.index for layer in attention_layers(model) if layer.compressible]
+
+
+def assert_caches_equal(a, b) -> None:
+    assert a.original_length == b.original_length
+    for x, y in zip(a.keys + a.values + a.positions, b.keys + b.values + b.positions):
+        assert torch.equal(x, y)
+
+
+def test_compressed_shapes(tiny_model):
+    config = SnapKVConfig(budget=40, window=8, query_aware=False)
+    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 1), config)
+    text = tiny_model.config
+    kv_heads = text.num_key_value_heads
+    compressible = compressible_indices(tiny_model)
+    assert compressible, "every supported model has full-attention layers to compress"
+    for index in range(text.num_hidden_layers):
+        keys, values, positions = cache.keys[index], cache.values[index], cache.positions[index]
+        assert keys.shape == values.shape
+        assert keys.shape[0] == kv_heads and positions.shape == keys.shape[:2]
+        if index in compressible:
+            assert keys.shape[1] == config.budget
+        else:  # a sliding-window layer keeps its window's tail, untouched
+            assert keys.shape[1] < PROMPT_LENGTH
+            assert torch.equal(positions[0], torch.arange(PROMPT_LENGTH - keys.shape[1], PROMPT_LENGTH))
+    assert cache.original_length == PROMPT_LENGTH
+    assert cache.kv_bytes < cache.full_kv_bytes()
+
+
+def test_hooks_are_removed(tiny_model):
+    modules = [layer.module for layer in attention_layers(tiny_model)]
+    before = [len(m._forward_hooks) for m in modules]
+    plan = CompressionPlan(prefix_keep=8, window=4, kernel=3, pooling="max")
+    with compressing(tiny_model, plan):
+        assert sum(len(m._forward_hooks) for m in modules) == len(compressible_indices(tiny_model))
+    assert [len(m._forward_hooks) for m in modules] == before
+    with pytest.raises(RuntimeError):
+        with compressing(tiny_model, plan):
+            raise RuntimeError("interrupted prefill")
+    assert [len(m._forward_hooks) for m in modules] == before
+
+
+def reference_selection(attention: torch.Tensor, kv_heads: int, window: int, budget: int, kernel: int,
+                        pooling: str) -> torch.Tensor:
+    """SnapKV's choice written out plainly from the eager attention weights of the full prompt.
+
+    attention: (q_heads, n, n) softmax weights. Returns (kv_heads, budget) sorted kept positions.
+    """
+    q_heads, n, _ = attention.shape
+    group = q_heads // kv_heads
+    prefix = n - window
+    kept = []
+    for kv_head in range(kv_heads):
+        pooled_per_head = []
+        for q_head in range(kv_head * group, (kv_head + 1) * group):
+            votes = [sum(float(attention[q_head, row, col]) for row in range(prefix, n)) for col in range(prefix)]
+            pooled = []
+            for col in range(prefix):
+                neighbourhood = [votes[j] if 0 <= j < prefix else None
+                                 for j in range(col - kernel // 2, col + kernel // 2 + 1)]
+                if pooling == "max":
+                    pooled.append(max(v for v in neighbourhood if v is not None))
+                else:  # zero padding counts in the average, as in avg_pool1d
+                    pooled.append(sum(v or 0.0 for v in neighbourhood) / kernel)
+            pooled_per_head.append(pooled)
+        mean = [sum(h[col] for h in pooled_per_head) / group for col in range(prefix)]
+        best = sorted(range(prefix), key=lambda col: mean[col], reverse=True)[: budget - window]
+        kept.append(sorted(best) + list(range(prefix, n)))
+    return torch.tensor(kept)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "phi3", "gemma3"])
+def test_kept_positions_match_plain_reference(name):
+    model = build_tiny(name, attn_implementation="eager")
+    ids = random_ids(48, 2)
+    window, budget, kernel = 6, 20, 3
+    with torch.no_grad():
+        attentions = model(ids.unsqueeze(0), output_attentions=True).attentions
+    cache = prefill(model, ids, SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling="avg",
+                                             query_aware=False))
+    for index in compressible_indices(model):
+        expected = reference_selection(attentions[index][0], model.config.num_key_value_heads,
+                                       window, budget, kernel, "avg")
+        assert torch.equal(cache.positions[index], expected), f"layer {index}"
+
+
+def test_window_always_kept_and_positions_sorted(tiny_model):
+    config = SnapKVConfig(budget=24, window=10, kernel=5, pooling="max", query_aware=False)
+    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 3), config)
+    window = torch.arange(PROMPT_LENGTH - config.window, PROMPT_LENGTH)
+    for positions in cache.positions:
+        for head in positions:
+            assert torch.all(head[1:] > head[:-1])
+            assert torch.isin(window, head).all()
+
+
+def test_kept_keys_are_the_top_scoring_ones():
+    """With max pooling ties are common, so compare scores: no dropped key outscores a kept one."""
+    from snapkv.scoring import mean_over_query_groups, pool_scores
+
+    model = build_tiny("llama-gqa", attn_implementation="eager")
+    ids = random_ids(64, 4)
+    with torch.no_grad():
+        full = prefill(model, ids, None)
+        attentions = model(ids.unsqueeze(0), output_attentions=True).attentions
+    config = SnapKVConfig(budget=24, window=8, kernel=5, pooling="max", query_aware=False)
+    cache = prefill(model, ids, config)
+    for index in range(model.config.num_hidden_layers):
+        weights = attentions[index][0]  # (q_heads, n, n)
+        votes = weights[:, -config.window :, : 64 - config.window].sum(dim=1, keepdim=False).unsqueeze(0)
+        scores = mean_over_query_groups(pool_scores(votes, config.kernel, "max"), 2)[0]
+        for head in range(2):
+            kept = cache.positions[index][head]
+            kept_prefix = kept[kept < 64 - config.window]
+            dropped = torch.ones(64 - config.window, dtype=torch.bool)
+            dropped[kept_prefix] = False
+            assert scores[head][kept_prefix].min() >= scores[head][dropped].max() - 1e-6
+        # the kept keys are the full cache's keys at those positions, unchanged
+        gathered = full.keys[index].gather(1, cache.positions[index].unsqueeze(-1).expand(-1, -1, 16))
+        assert torch.equal(gathered, cache.keys[index])
+
+
+def test_budget_at_least_prompt_matches_full_cache_and_generate(tiny_model):
+    ids, question = random_ids(40, 5), random_ids(6, 6)
+    full = prefill(tiny_model, ids, None)
+    whole = prefill(tiny_model, ids, SnapKVConfig(budget=64, window=8, query_aware=False))
+    assert not whole.compressed
+    assert_caches_equal(full, whole)
+    ours = list(answer(tiny_model, whole, question, max_new_tokens=12))
+    per_question = list(answer(tiny_model, full, question, max_new_tokens=12,
+                               per_question=SnapKVConfig(budget=64, window=8)))
+    prompt = torch.cat([ids, question]).unsqueeze(0)
+    reference = tiny_model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
+                                    attention_mask=torch.ones_like(prompt))[0, prompt.shape[1]:].tolist()
+    assert ours == reference
+    assert per_question == reference
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_cache_unchanged_by_answers_and_questions_independent(tiny_model, query_aware):
+    config = SnapKVConfig(budget=32, window=8, query_aware=query_aware, store_budget=64 if query_aware else None)
+    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 7), config.stored_tier)
+    snapshot = type(cache)([k.clone() for k in cache.keys], [v.clone() for v in cache.values],
+                           [p.clone() for p in cache.positions], cache.original_length, cache.token_ids)
+    per_question = config if query_aware else None
+    first, second = random_ids(5, 8), random_ids(7, 9)
+    alone_first = list(answer(tiny_model, cache, first, per_question=per_question, max_new_tokens=8))
+    assert_caches_equal(cache, snapshot)
+    # an answer abandoned half way (an interrupt) leaves the cache as it was too
+    stream = answer(tiny_model, cache, second, per_question=per_question, max_new_tokens=8)
+    next(stream)
+    stream.close()
+    assert_caches_equal(cache, snapshot)
+    alone_second = list(answer(tiny_model, cache, second, per_question=per_question, max_new_tokens=8))
+    again_first = list(answer(tiny_model, cache, first, per_question=per_question, max_new_tokens=8))
+    assert again_first == alone_first
+    fresh = prefill(tiny_model, random_ids(PROMPT_LENGTH, 7), config.stored_tier)
+    assert list(answer(tiny_model, fresh, second, per_question=per_question, max_new_tokens=8)) == alone_second
+    assert_caches_equal(cache, snapshot)
+
+
+def test_query_aware_pass_keeps_the_budget_and_the_question():
+    """In query-aware mode each layer is cut to budget-window document positions plus the question."""
+    model = build_tiny("llama-gqa")
+    config = SnapKVConfig(budget=24, window=8)
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 10), config.stored_tier)
+    assert not cache.compressed  # the stored tier is the whole prompt
+    question = random_ids(5, 11)
+    lengths: dict[int, list[int]] = {}
+
+    def record(module, args, kwargs):  # cache length as each forward starts
+        layer = kwargs["cache"].layers[module.layer_idx]
+        lengths.setdefault(module.layer_idx, []).append(layer.keys.shape[2] if layer.is_initialized else 0)
+
+    handles = [layer.module.register_forward_pre_hook(record, with_kwargs=True) for layer in attention_layers(model)]
+    try:
+        list(answer(model, cache, question, per_question=config, max_new_tokens=2))
+    finally:
+        for handle in handles:
+            handle.remove()
+    # the question pass starts on the whole prompt; the first decode step finds the layer cut
+    assert set(tuple(v) for v in lengths.values()) == {(PROMPT_LENGTH, config.prefix_keep + question.shape[0])}
+
+
+def test_positions_continue_at_original_length():
+    model = build_tiny("llama-gqa")
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 12), SnapKVConfig(budget=24, window=8, query_aware=False))
+    seen = []
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["position_ids"][0].tolist()), with_kwargs=True
+    )
+    try:
+        list(answer(model, cache, random_ids(4, 13), max_new_tokens=3))
+    finally:
+        hook.remove()
+    assert seen[0] == [96, 97, 98, 99]
+    assert seen[1:] == [[100], [101]]
+
+
+def test_short_prompts_are_left_whole(tiny_model):
+    config = SnapKVConfig(budget=40, window=32, query_aware=False)
+    for length in (1, 5, 32, 40):
+        cache = prefill(tiny_model, random_ids(length, length), config)
+        assert not cache.compressed
+        assert cache.original_length == length
+
+
+def test_unsupported_architecture_is_refused():
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).eval()
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        prefill(model, torch.arange(10), SnapKVConfig(budget=8, window=2, query_aware=False))
+    with pytest.raises(UnsupportedModelError):
+        attention_layers(model)
+
+
+def test_sampling_is_reproducible_with_a_seed():
+    from snapkv.generation import Sampling
+
+    model = build_tiny("llama-gqa")
+    cache = prefill(model, random_ids(32, 14), None)
+    sampling = Sampling(temperature=1.0, top_p=0.9, seed=3)
+    first = list(answer(model, cache, random_ids(4, 15), sampling=sampling, max_new_tokens=10))
+    second = list(answer(model, cache, random_ids(4, 15), sampling=sampling, max_new_tokens=10))
+    assert first == second and len(first) == 10
