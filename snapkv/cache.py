@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 @dataclass
@@ -52,15 +53,23 @@ class CompressedCache:
         return per_position * self.original_length
 
     def to_dynamic_cache(self, model_config) -> DynamicCache:
-        """A fresh transformers cache holding copies of these tensors, ready for a forward pass.
+        """A fresh transformers cache over these tensors, ready for a forward pass.
 
-        The copies mean a forward that appends to (or compresses) the returned cache never
-        changes this object.
+        Full-attention layers start from these very tensors, without a copy: DynamicLayer only ever
+        replaces its tensors (appending concatenates into new ones, SnapKV gathers into new ones),
+        so a forward on the returned cache never changes this object. Sliding-window layers go
+        through the public update(), which copies.
         """
         cache = DynamicCache(config=model_config)
         for index, (keys, values) in enumerate(zip(self.keys, self.values)):
             # (1, kv_heads, kept, head_dim)
-            cache.update(keys.unsqueeze(0), values.unsqueeze(0), index)
+            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+            layer = cache.layers[index]
+            if type(layer) is DynamicLayer:
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            else:
+                cache.update(keys, values, index)
         return cache
 
     @classmethod

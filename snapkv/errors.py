@@ -29,3 +29,15 @@ class DocumentError(SnapKVError):
     """A document that cannot be read or turned into a prompt."""
 
     exit_code = 4
+
+
+class CacheFileError(SnapKVError):
+    """A saved cache that is damaged, not a snapkv cache, or written by a newer snapkv."""
+
+    exit_code = 5
+
+
+class IncompatibleCacheError(SnapKVError):
+    """A valid saved cache made for another model, tokenizer or prompt template."""
+
+    exit_code = 5

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import fingerprint
 from .architectures import check_supported, text_config
 from .errors import ConfigError, ModelNotFoundError, SnapKVError
 from .paths import models_dir
@@ -29,6 +30,27 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
+
+    _identity: dict | None = None
+
+    @property
+    def identity(self) -> dict:
+        """What a saved cache must match to be reused with this model (computed once)."""
+        if self._identity is None:
+            config = text_config(self.model)
+            self._identity = {
+                "name": self.name,
+                "model_type": config.model_type,
+                "config_sha256": fingerprint.config_hash(config),
+                "weights_sha256": fingerprint.weights_hash(self.model),
+                "tokenizer_sha256": fingerprint.tokenizer_hash(self.tokenizer),
+                "chat_template_sha256": fingerprint.chat_template_hash(self.tokenizer),
+                "rope": fingerprint.rope_settings(config),
+                "num_layers": config.num_hidden_layers,
+                "kv_heads": config.num_key_value_heads,
+                "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            }
+        return self._identity
 
     @property
     def context_length(self) -> int:

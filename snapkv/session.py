@@ -4,18 +4,20 @@ The CLI, the benchmarks and the tests all go through here, so the flow is writte
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from .cache import CompressedCache
 from .config import SnapKVConfig
-from .documents import Document
-from .errors import DocumentError
+from .documents import Document, Source
+from .errors import CacheFileError, DocumentError
 from .generation import Sampling, answer, prefill
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
+from .store import CacheStore, cache_key, load_cache, save_cache
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
@@ -23,11 +25,17 @@ QUESTION_ALLOWANCE = 128
 
 @dataclass
 class PreparedDocument:
-    """A document's cache, ready for any number of questions."""
+    """A document's cache, ready for any number of questions, and how it was obtained."""
 
     document: Document
     cache: CompressedCache
-    prefill_seconds: float
+    prefill_seconds: float = 0.0     # 0 when the cache came from a file
+    path: Path | None = None         # the saved cache file, if any
+    hit: bool = False                # True when the cache was loaded instead of prefilled
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    file_bytes: int = 0
+    note: str = ""                   # something the user should hear about, e.g. a damaged entry rebuilt
 
     @property
     def tokens(self) -> int:
@@ -92,12 +100,27 @@ class AnswerStream:
         )
 
 
-class Session:
-    """A loaded model and the compression settings (None: keep the full cache, the baseline)."""
+def stored_settings(settings: SnapKVConfig | None) -> dict | None:
+    """What the saved tier is: None for the whole cache, else the compression applied at prefill."""
+    tier = settings.stored_tier if settings is not None else None
+    if tier is None:
+        return None
+    return {"budget": tier.budget, "window": tier.window, "kernel": tier.kernel, "pooling": tier.pooling}
 
-    def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None) -> None:
+
+class Session:
+    """A loaded model, the compression settings (None: keep the full cache, the baseline) and a store.
+
+    store: where caches are looked up and saved (None: neither; every document is prefilled).
+    verify: check each loaded cache's payload digest.
+    """
+
+    def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
+                 store: CacheStore | None = None, verify: bool = True) -> None:
         self.loaded = loaded
         self.settings = settings
+        self.store = store
+        self.verify = verify
 
     def prompt_ids(self, document: Document) -> torch.Tensor:
         """(n,) context ids, refused if the model cannot hold them with room for a question."""
@@ -110,13 +133,60 @@ class Session:
             )
         return ids
 
+    def _metadata(self, document: Document) -> dict:
+        import transformers
+
+        from . import __version__
+
+        return {
+            "model": self.loaded.identity,
+            "stored": stored_settings(self.settings),
+            "mode": "none" if self.settings is None else
+                    ("query-aware" if self.settings.query_aware else "document-window"),
+            "settings": None if self.settings is None else asdict(self.settings),
+            "sources": [asdict(source) for source in document.sources],
+            "producer": {"snapkv": __version__, "transformers": transformers.__version__,
+                         "torch": torch.__version__},
+            "created": time.time(),
+        }
+
     def prepare(self, document: Document) -> PreparedDocument:
-        """Prefill the document, compressing as configured."""
+        """The document's cache: loaded from the store when it was made before, else prefilled (and saved)."""
         ids = self.prompt_ids(document)
+        key = cache_key(self.loaded.identity, ids, stored_settings(self.settings)) if self.store else None
+        note = ""
+        if self.store is not None and (path := self.store.lookup(key)) is not None:
+            try:
+                prepared = self.load_file(path)
+            except CacheFileError as error:  # rebuilt and overwritten below
+                note = f"the saved cache was unreadable and has been rebuilt ({error})"
+            else:
+                if torch.equal(prepared.cache.token_ids, ids):
+                    prepared.document = document
+                    return prepared
         tier = self.settings.stored_tier if self.settings is not None else None
         started = time.perf_counter()
         cache = prefill(self.loaded.model, ids, tier)
-        return PreparedDocument(document, cache, time.perf_counter() - started)
+        prepared = PreparedDocument(document, cache, prefill_seconds=time.perf_counter() - started, note=note)
+        if self.store is not None:
+            prepared.path = self.store.path_for(key)
+            self.save(prepared, prepared.path)
+        return prepared
+
+    def save(self, prepared: PreparedDocument, path: Path) -> None:
+        started = time.perf_counter()
+        prepared.file_bytes = save_cache(path, prepared.cache, self._metadata(prepared.document))
+        prepared.save_seconds = time.perf_counter() - started
+        prepared.path = Path(path)
+
+    def load_file(self, path: Path) -> PreparedDocument:
+        """A saved cache, checked against the model in use and moved to its device and dtype."""
+        started = time.perf_counter()
+        cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.device,
+                                     dtype=self.loaded.dtype, verify=self.verify)
+        sources = [Source(**source) for source in metadata.get("sources", [])]
+        return PreparedDocument(Document("", sources), cache, path=Path(path), hit=True,
+                                load_seconds=time.perf_counter() - started, file_bytes=Path(path).stat().st_size)
 
     def ask(self, prepared: PreparedDocument, question: str, *, answer_prefix: str = "",
             max_new_tokens: int = 256, sampling: Sampling = Sampling()) -> AnswerStream:

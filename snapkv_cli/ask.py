@@ -15,6 +15,7 @@ from snapkv.documents import read_sources
 from snapkv.generation import Sampling
 from snapkv.models import load_model
 from snapkv.session import Session
+from snapkv.store import SUFFIX, CacheStore
 
 
 def _peak_rss_bytes() -> int:
@@ -26,7 +27,8 @@ def _mib(value: int) -> str:
 
 
 def ask(
-    source: str = typer.Argument(..., help="A document (.txt, .md, .pdf, .html), a folder of them, or - for stdin."),
+    source: str = typer.Argument(..., help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, "
+                                           "or a saved .snapkv cache."),
     questions: list[str] = typer.Argument(..., help="One or more questions, answered in turn against one cache."),
     model: Optional[str] = typer.Option(None, "--model", "-m", envvar="SNAPKV_MODEL",
                                         help="Hugging Face id (local cache), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
@@ -37,6 +39,11 @@ def ask(
     query_aware: bool = typer.Option(True, "--query-aware/--no-query-aware",
                                      help="Keep the whole prompt's cache and compress per question, with the question as the window."),
     no_compress: bool = typer.Option(False, "--no-compress", help="Keep the full cache (the baseline)."),
+    no_store: bool = typer.Option(False, "--no-store",
+                                  help="Neither look the document up in the cache store nor save it there."),
+    skip_digest: bool = typer.Option(False, "--skip-digest",
+                                     help="Do not check a saved cache's payload digest when loading it "
+                                          "(faster for very large files; damage then goes unnoticed)."),
     max_new_tokens: int = typer.Option(256, help="Longest answer, in tokens."),
     temperature: float = typer.Option(0.0, help="0 for greedy decoding."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling threshold when temperature > 0."),
@@ -54,17 +61,25 @@ def ask(
     err = Console(stderr=True, highlight=False)
     out = Console(highlight=False, markup=False, emoji=False)
 
+    from_file = source.endswith(SUFFIX)
     with err.status("Reading documents..."):
         started = time.perf_counter()
-        document = read_sources(source, password)
+        document = None if from_file else read_sources(source, password)
         ingest_seconds = time.perf_counter() - started
     with err.status("Loading model..."):
         started = time.perf_counter()
         loaded = load_model(model, device=device, dtype=dtype)
         model_load_seconds = time.perf_counter() - started
-    session = Session(loaded, settings)
-    with err.status("Prefilling and compressing..."):
-        prepared = session.prepare(document)
+    session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest)
+    if from_file:
+        with err.status("Loading saved cache..."):
+            prepared = session.load_file(source)
+    else:
+        with err.status("Looking up the cache, or prefilling and compressing..."):
+            prepared = session.prepare(document)
+    document = prepared.document
+    if prepared.note:
+        err.print("warning: " + prepared.note, markup=False)
 
     answers = []
     for question in questions:
@@ -103,6 +118,9 @@ def ask(
             "kv_bytes": cache.kv_bytes,
             "kv_bytes_full": cache.full_kv_bytes(),
         },
+        "cache": {"path": str(prepared.path) if prepared.path else None, "hit": prepared.hit,
+                  "bytes": prepared.file_bytes, "load_seconds": round(prepared.load_seconds, 4),
+                  "save_seconds": round(prepared.save_seconds, 4)},
         "timings": {"model_load_seconds": round(model_load_seconds, 3),
                     "ingest_seconds": round(ingest_seconds, 3),
                     "prefill_seconds": round(prepared.prefill_seconds, 3)},
@@ -117,7 +135,12 @@ def ask(
     comp = report["compression"]
     table.add_row("kept per head", f"{comp['kept_tokens']} ({comp['method']})")
     table.add_row("KV memory", f"{_mib(comp['kv_bytes'])} stored, {_mib(comp['kv_bytes_full'])} full")
-    table.add_row("prefill", f"{prepared.prefill_seconds:.2f} s")
+    if prepared.hit:
+        table.add_row("cache", f"hit: loaded {prepared.path} ({_mib(prepared.file_bytes)}) in {prepared.load_seconds:.2f} s")
+    else:
+        table.add_row("prefill", f"{prepared.prefill_seconds:.2f} s")
+        if prepared.path:
+            table.add_row("cache", f"saved {prepared.path} ({_mib(prepared.file_bytes)}) in {prepared.save_seconds:.2f} s")
     for a in answers:
         table.add_row("answer", f"first token {a.ttft_seconds:.2f} s, {a.decode_tokens_per_second:.1f} tokens/s")
     table.add_row("peak memory", f"{_mib(report['memory']['peak_bytes'])} RSS")

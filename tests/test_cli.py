@@ -56,3 +56,27 @@ def test_ask_json_on_the_sample_report(embedded_home):
     assert report["compression"]["kv_bytes_full"] >= report["compression"]["kv_bytes"] > 0
     assert report["timings"]["prefill_seconds"] > 0
     assert report["model"]["name"] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.slow
+def test_second_ask_loads_the_saved_cache(embedded_home, tmp_path):
+    home = tmp_path / "home"
+    (home).mkdir()
+    (home / "models").symlink_to(embedded_home / "models")
+    question = "What was the revenue for the 2023 financial year?"
+    first = run_snapkv("ask", str(SAMPLE), question, "--json", "--no-query-aware", "--budget", "512", home=home)
+    assert first.returncode == 0, first.stderr
+    first_report = json.loads(first.stdout)
+    assert first_report["cache"]["hit"] is False and first_report["cache"]["bytes"] > 0
+    saved = Path(first_report["cache"]["path"])
+    assert saved.is_file() and saved.parent == home / "caches"
+    second = run_snapkv("ask", str(SAMPLE), question, "--json", "--no-query-aware", "--budget", "512", home=home)
+    second_report = json.loads(second.stdout)
+    assert second_report["cache"]["hit"] is True and second_report["cache"]["path"] == str(saved)
+    assert second_report["answers"][0]["answer"] == first_report["answers"][0]["answer"]
+    direct = run_snapkv("ask", str(saved), question, "--json", home=home)
+    assert direct.returncode == 0, direct.stderr
+    assert json.loads(direct.stdout)["answers"][0]["answer"] == first_report["answers"][0]["answer"]
+    saved.write_bytes(b"not a cache at all, just some bytes")
+    broken = run_snapkv("ask", str(saved), question, home=home)
+    assert broken.returncode == 5 and "not a snapkv cache" in broken.stderr and "Traceback" not in broken.stderr

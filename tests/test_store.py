@@ -1,0 +1,224 @@
+"""Saved caches: round trips, refusals of damaged or foreign files, atomic and concurrent writes."""
+
+import json
+import multiprocessing
+import os
+import pickle
+import signal
+import struct
+import time
+
+import pytest
+import torch
+
+from conftest import build_tiny
+from snapkv.config import SnapKVConfig
+from snapkv.documents import Document
+from snapkv.errors import CacheFileError, IncompatibleCacheError
+from snapkv.generation import answer, prefill
+from snapkv.models import LoadedModel
+from snapkv.session import Session
+from snapkv.store import CacheStore, load_cache, read_metadata, save_cache
+
+DOCUMENT = Document(" ".join(f"Paragraph {i} tells of rivers, bread and maps." for i in range(40)))
+
+
+@pytest.fixture
+def tiny_loaded(embedded):
+    """A tiny random Llama with the embedded model's real tokenizer (ids beyond the tiny vocab are folded)."""
+    model = build_tiny("llama-gqa")
+    model.resize_token_embeddings(len(embedded.tokenizer))
+    return LoadedModel(model, embedded.tokenizer, "tiny-llama", torch.device("cpu"), torch.float32)
+
+
+def caches_equal(a, b) -> bool:
+    return (a.original_length == b.original_length and torch.equal(a.token_ids, b.token_ids)
+            and all(torch.equal(x, y) for x, y in zip(a.keys + a.values + a.positions,
+                                                      b.keys + b.values + b.positions)))
+
+
+def saved(tiny_loaded, tmp_path, settings=SnapKVConfig(budget=64, window=8, query_aware=False)):
+    session = Session(tiny_loaded, settings, store=CacheStore(tmp_path / "store"))
+    prepared = session.prepare(DOCUMENT)
+    return session, prepared
+
+
+def test_round_trip_and_identical_answers(tiny_loaded, tmp_path):
+    session, prepared = saved(tiny_loaded, tmp_path)
+    assert prepared.path.is_file() and not prepared.hit and prepared.cache.compressed
+    loaded = session.load_file(prepared.path)
+    assert caches_equal(prepared.cache, loaded.cache)
+    question = torch.tensor([5, 6, 7, 8])
+    before = list(answer(tiny_loaded.model, prepared.cache, question, max_new_tokens=10))
+    after = list(answer(tiny_loaded.model, loaded.cache, question, max_new_tokens=10))
+    assert before == after
+    metadata = read_metadata(prepared.path)
+    assert metadata["mode"] == "document-window" and metadata["stored"]["budget"] == 64
+    assert metadata["original_length"] == prepared.cache.original_length
+    assert metadata["model"]["name"] == "tiny-llama"
+
+
+def test_file_size_is_close_to_the_tensors(tiny_loaded, tmp_path):
+    _, prepared = saved(tiny_loaded, tmp_path)
+    tensors_bytes = prepared.cache.kv_bytes + sum(p.numel() * 4 for p in prepared.cache.positions) \
+        + prepared.cache.original_length * 4
+    assert tensors_bytes <= prepared.file_bytes <= tensors_bytes * 1.05 + 8192
+
+
+def test_second_prepare_is_a_hit_without_prefill(tiny_loaded, tmp_path, monkeypatch):
+    session, first = saved(tiny_loaded, tmp_path)
+    import snapkv.session as session_module
+
+    monkeypatch.setattr(session_module, "prefill", lambda *a, **k: pytest.fail("prefilled again"))
+    second = session.prepare(DOCUMENT)
+    assert second.hit and second.path == first.path
+    assert caches_equal(first.cache, second.cache)
+    entries = session.store.entries()
+    assert [e.path for e in entries] == [first.path] and entries[0].size == first.path.stat().st_size
+    # other settings are another entry
+    other = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, query_aware=False), store=session.store)
+    monkeypatch.setattr(session_module, "prefill", prefill)
+    assert not other.prepare(DOCUMENT).hit
+    assert len(session.store.entries()) == 2
+    assert session.store.remove(entries[0].key) and session.store.clear() == 1
+    assert session.store.entries() == []
+
+
+def test_query_aware_saves_the_stored_tier(tiny_loaded, tmp_path):
+    session, prepared = saved(tiny_loaded, tmp_path, SnapKVConfig(budget=32, window=8, store_budget=96))
+    assert prepared.cache.kept_tokens == 96
+    assert read_metadata(prepared.path)["stored"]["budget"] == 96
+    question = torch.tensor([9, 10, 11])
+    reloaded = session.load_file(prepared.path)
+    config = session.settings
+    assert list(answer(tiny_loaded.model, prepared.cache, question, per_question=config, max_new_tokens=8)) == \
+        list(answer(tiny_loaded.model, reloaded.cache, question, per_question=config, max_new_tokens=8))
+
+
+def test_load_into_another_dtype(tiny_loaded, tmp_path):
+    _, prepared = saved(tiny_loaded, tmp_path)
+    cache, _ = load_cache(prepared.path, dtype=torch.bfloat16)
+    assert cache.keys[0].dtype == torch.bfloat16
+    assert torch.equal(cache.keys[0], prepared.cache.keys[0].to(torch.bfloat16))
+
+
+def test_cache_of_another_model_is_refused(tiny_loaded, tmp_path, embedded):
+    session, prepared = saved(tiny_loaded, tmp_path)
+    other_model = build_tiny("llama-gqa", seed=1)
+    other_model.resize_token_embeddings(len(embedded.tokenizer))
+    other = Session(LoadedModel(other_model, embedded.tokenizer, "tiny-llama-2", torch.device("cpu"), torch.float32),
+                    session.settings)
+    with pytest.raises(IncompatibleCacheError, match="model weights"):
+        other.load_file(prepared.path)
+
+
+def test_truncated_files_are_refused(tiny_loaded, tmp_path):
+    _, prepared = saved(tiny_loaded, tmp_path)
+    data = prepared.path.read_bytes()
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    offsets = list(range(0, header_end, 8))[:150]
+    offsets += [header_end + (len(data) - header_end) * i // 50 for i in range(50)]
+    assert len(offsets) == 200
+    cut = tmp_path / "cut.snapkv"
+    for offset in offsets:
+        cut.write_bytes(data[:offset])
+        with pytest.raises(CacheFileError):
+            load_cache(cut)
+
+
+def test_flipped_payload_byte_is_refused(tiny_loaded, tmp_path):
+    _, prepared = saved(tiny_loaded, tmp_path)
+    data = bytearray(prepared.path.read_bytes())
+    data[len(data) - 1000] ^= 0x10
+    prepared.path.write_bytes(bytes(data))
+    with pytest.raises(CacheFileError, match="digest"):
+        load_cache(prepared.path)
+
+
+class _Marker:
+    def __reduce__(self):
+        return (open, (os.environ["SNAPKV_PICKLE_MARKER"], "w"))
+
+
+def test_pickle_renamed_snapkv_is_refused_and_runs_nothing(tmp_path, monkeypatch):
+    marker = tmp_path / "pickle-ran"
+    monkeypatch.setenv("SNAPKV_PICKLE_MARKER", str(marker))
+    fake = tmp_path / "evil.snapkv"
+    fake.write_bytes(pickle.dumps(_Marker()))
+    with pytest.raises(CacheFileError):
+        load_cache(fake)
+    torch.save({"x": torch.zeros(3)}, tmp_path / "torch.snapkv")
+    with pytest.raises(CacheFileError):
+        load_cache(tmp_path / "torch.snapkv")
+    assert not marker.exists()
+
+
+def test_newer_format_is_refused(tiny_loaded, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, prepared = saved(tiny_loaded, tmp_path)
+    metadata = read_metadata(prepared.path)
+    metadata["version"] = "2.0"
+    save_file(load_file(str(prepared.path)), str(tmp_path / "new.snapkv"), metadata={"snapkv": json.dumps(metadata)})
+    with pytest.raises(CacheFileError, match="newer snapkv"):
+        load_cache(tmp_path / "new.snapkv")
+
+
+def _save_forever(path, cache, metadata):
+    while True:
+        save_cache(path, cache, metadata)
+
+
+def big_cache(tiny_loaded):
+    cache = prefill(tiny_loaded.model, torch.arange(3, 600) % 250 + 3, None)
+    # about 24 MB, so that a write takes long enough to be killed in the middle
+    cache.keys = [k.repeat(1, 1, 32) for k in cache.keys]
+    cache.values = [v.repeat(1, 1, 32) for v in cache.values]
+    return cache
+
+
+@pytest.mark.slow
+def test_sigkill_mid_save_never_leaves_a_partial_file(tiny_loaded, tmp_path):
+    path = tmp_path / "store" / "victim.snapkv"
+    cache = big_cache(tiny_loaded)
+    context = multiprocessing.get_context("fork")
+    killed_mid_save = 0
+    for attempt in range(30):
+        writer = context.Process(target=_save_forever, args=(path, cache, {"attempt": attempt}))
+        writer.start()
+        time.sleep(0.15 + 0.037 * attempt)
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join()
+        killed_mid_save += bool(list(path.parent.glob(".*.tmp")))
+        if path.exists():
+            loaded, _ = load_cache(path)  # a complete, valid file
+            assert loaded.original_length == cache.original_length
+        if killed_mid_save >= 3:
+            break
+    assert killed_mid_save >= 1, "no kill landed during a write: the test did not exercise what it claims"
+    save_cache(path, cache, {})  # the next save sweeps the temp files the killed writers left
+    assert not list(path.parent.glob(".*.tmp"))
+
+
+def test_four_concurrent_writers_end_with_one_valid_file(tiny_loaded, tmp_path):
+    path = tmp_path / "store" / "shared.snapkv"
+    cache = big_cache(tiny_loaded)
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=save_cache, args=(path, cache, {"writer": i})) for i in range(4)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join()
+        assert writer.exitcode == 0
+    loaded, metadata = load_cache(path)
+    assert metadata["writer"] in range(4)
+    assert caches_equal(loaded, cache.to("cpu"))
+    assert [p.name for p in path.parent.iterdir() if p.suffix != ".lock"] == ["shared.snapkv"]
+
+
+def test_damaged_store_entry_is_rebuilt(tiny_loaded, tmp_path):
+    session, first = saved(tiny_loaded, tmp_path)
+    first.path.write_bytes(first.path.read_bytes()[:100])
+    again = session.prepare(DOCUMENT)
+    assert not again.hit and "rebuilt" in again.note
+    assert caches_equal(session.load_file(again.path).cache, first.cache)
