@@ -3,13 +3,14 @@
 The engine knows token ids only; callers decode and print.
 """
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 
+from .architectures import attention_layers
 from .cache import CompressedCache
 from .compress import CompressionPlan, compressing
 from .config import SnapKVConfig
@@ -60,11 +61,30 @@ def _layer_positions(plan: CompressionPlan | None, layer_index: int, layer_lengt
     return source_positions[:, source_positions.shape[1] - layer_length :]
 
 
+@contextmanager
+def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
+    """Call on_layer(layers_done, layers_total) after each attention layer of the block's forwards."""
+    if on_layer is None:
+        yield
+        return
+    layers = attention_layers(model)
+    done = iter(range(1, len(layers) + 1))
+    handles = [layer.module.register_forward_hook(lambda *_: on_layer(next(done), len(layers)))
+               for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.inference_mode()
-def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None) -> CompressedCache:
+def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None,
+            on_layer: Callable[[int, int], None] | None = None) -> CompressedCache:
     """Run the prompt through the model, compressing each layer as it goes (None: keep everything).
 
     context_ids: (n,) token ids. A prompt no longer than the budget is left whole.
+    on_layer: progress callback, called with (layers done, layers in all) as each layer finishes.
     """
     device = _model_device(model)
     n = context_ids.shape[0]
@@ -72,7 +92,7 @@ def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None) 
     plan = None
     if compression is not None and n > compression.budget:
         plan = _plan_for(compression, compression.window)
-    with compressing(model, plan) if plan else nullcontext():
+    with compressing(model, plan) if plan else nullcontext(), _reporting_layers(model, on_layer):
         _next_logits(model, context_ids.to(device).unsqueeze(0), cache)
     all_positions = torch.arange(n, device=device).unsqueeze(0)  # (1, n)
     positions = []

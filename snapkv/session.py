@@ -6,14 +6,14 @@ The CLI, the benchmarks and the tests all go through here, so the flow is writte
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
 from .cache import CompressedCache
 from .config import SnapKVConfig
 from .documents import Document, Source
-from .errors import CacheFileError, DocumentError
+from .errors import CacheFileError, ConfigError, DocumentError
 from .generation import Sampling, answer, prefill
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
@@ -116,21 +116,44 @@ class Session:
     """
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
-                 store: CacheStore | None = None, verify: bool = True) -> None:
+                 store: CacheStore | None = None, verify: bool = True, truncate: str | None = None) -> None:
+        if truncate not in (None, "start", "middle", "end"):
+            raise ConfigError(f"--truncate takes start, middle or end, not {truncate!r}")
         self.loaded = loaded
         self.settings = settings
         self.store = store
         self.verify = verify
+        self.truncate = truncate
+        self.on_layer: Callable[[int, int], None] | None = None  # prefill progress, for a UI
+        self.truncated_tokens = 0  # how many document tokens the last prompt_ids() cut
+        self.last_prompt_tokens = 0  # length of the last prompt_ids()
 
     def prompt_ids(self, document: Document) -> torch.Tensor:
-        """(n,) context ids, refused if the model cannot hold them with room for a question."""
-        ids = context_ids(self.loaded.tokenizer, document_ids(self.loaded.tokenizer, document.text))
+        """(n,) context ids. A document longer than the model's context is refused, or cut where
+        `truncate` says (start / middle / end: the part removed); truncated_tokens tells how much."""
+        tokenizer = self.loaded.tokenizer
+        body = document_ids(tokenizer, document.text)
+        overhead = context_ids(tokenizer, [0]).shape[0] - 1  # template tokens around the document
         limit = self.loaded.context_length
-        if limit and ids.shape[0] + QUESTION_ALLOWANCE > limit:
-            raise DocumentError(
-                f"the document is {ids.shape[0]} tokens; {self.loaded.name} holds {limit} tokens, "
-                f"and {QUESTION_ALLOWANCE} are kept for the question and answer"
-            )
+        room = limit - overhead - QUESTION_ALLOWANCE if limit else len(body)
+        self.truncated_tokens = 0
+        if len(body) > room:
+            if self.truncate is None:
+                raise DocumentError(
+                    f"the document is {len(body)} tokens, and {self.loaded.name} holds {limit} tokens in all "
+                    f"({room} for a document once the prompt template and {QUESTION_ALLOWANCE} tokens for the "
+                    "question and answer are set aside). Pass --truncate start|middle|end to cut it, or use a "
+                    "model with a longer context."
+                )
+            self.truncated_tokens = len(body) - room
+            if self.truncate == "start":
+                body = body[-room:]
+            elif self.truncate == "end":
+                body = body[:room]
+            else:
+                body = body[: room // 2] + body[len(body) - (room - room // 2):]
+        ids = context_ids(tokenizer, body)
+        self.last_prompt_tokens = ids.shape[0]
         return ids
 
     def _metadata(self, document: Document) -> dict:
@@ -166,7 +189,7 @@ class Session:
                     return prepared
         tier = self.settings.stored_tier if self.settings is not None else None
         started = time.perf_counter()
-        cache = prefill(self.loaded.model, ids, tier)
+        cache = prefill(self.loaded.model, ids, tier, on_layer=self.on_layer)
         prepared = PreparedDocument(document, cache, prefill_seconds=time.perf_counter() - started, note=note)
         if self.store is not None:
             prepared.path = self.store.path_for(key)

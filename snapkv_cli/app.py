@@ -7,7 +7,7 @@ import typer
 
 from snapkv.errors import SnapKVError
 
-from . import ask
+from . import ask, cache, compress, info, repl
 
 app = typer.Typer(
     name="snapkv",
@@ -17,6 +17,10 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command(name="ask")(ask.ask)
+app.command(name="compress")(compress.compress)
+app.command(name="repl")(repl.repl)
+app.command(name="info")(info.info)
+app.add_typer(cache.app, name="cache")
 
 
 @app.callback()

@@ -222,3 +222,28 @@ def test_damaged_store_entry_is_rebuilt(tiny_loaded, tmp_path):
     again = session.prepare(DOCUMENT)
     assert not again.hit and "rebuilt" in again.note
     assert caches_equal(session.load_file(again.path).cache, first.cache)
+
+
+@pytest.mark.parametrize("where", ["start", "middle", "end"])
+def test_truncation_fits_the_context(tiny_loaded, where):
+    from snapkv.errors import DocumentError
+    from snapkv.prompting import document_ids
+
+    text = " ".join(f"w{i}" for i in range(1500))
+    body = document_ids(tiny_loaded.tokenizer, text)
+    with pytest.raises(DocumentError, match="--truncate"):
+        Session(tiny_loaded, None).prompt_ids(Document(text))
+    session = Session(tiny_loaded, None, truncate=where)
+    ids = session.prompt_ids(Document(text)).tolist()
+    assert len(ids) == 1024 - 128  # the context less the room kept for question and answer
+    short = Session(tiny_loaded, None).prompt_ids(Document("w1"))
+    template_tokens = len(short) - len(document_ids(tiny_loaded.tokenizer, "w1"))
+    assert session.truncated_tokens == len(body) - (len(ids) - template_tokens) > 0
+    kept = len(body) - session.truncated_tokens
+    joined = ",".join(map(str, ids))
+    if where == "start":
+        assert ",".join(map(str, body[-kept:])) in joined
+    elif where == "end":
+        assert ",".join(map(str, body[:kept])) in joined
+    else:
+        assert ",".join(map(str, body[: kept // 2])) in joined and ",".join(map(str, body[-(kept - kept // 2):])) in joined

@@ -1,0 +1,72 @@
+"""snapkv cache list|rm|clear: the store of saved caches."""
+
+import json
+import time
+
+import typer
+from rich.table import Table
+
+from snapkv.errors import ConfigError
+from snapkv.store import CacheStore
+
+from .common import inert, stdout_console
+
+app = typer.Typer(help="List and delete the saved caches in the store.", no_args_is_help=True)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+@app.command(name="list")
+def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the entries as JSON.")) -> None:
+    """List the saved caches with their sizes, ages, models and sources."""
+    store = CacheStore()
+    entries = store.entries()
+    if as_json:
+        print(json.dumps([{"key": e.key, "path": str(e.path), "bytes": e.size, "modified": e.modified,
+                           "metadata": e.metadata} for e in entries]))
+        return
+    console = stdout_console()
+    console.print(f"{len(entries)} caches, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(str(store.root))}",
+                  soft_wrap=True)
+    table = Table()
+    for column in ("key", "size", "age", "model", "tokens", "mode", "sources"):
+        table.add_column(column, overflow="fold")
+    now = time.time()
+    for entry in entries:
+        meta = entry.metadata or {}
+        sources = ", ".join(s["name"] for s in meta.get("sources", [])) or "-"
+        table.add_row(entry.key[:12], f"{entry.size / 2**20:.1f} MiB", _age(now - entry.modified),
+                      inert(str(meta.get("model", {}).get("name", "unreadable"))), str(meta.get("original_length", "-")),
+                      str(meta.get("mode", "-")), inert(sources))
+    console.print(table)
+
+
+@app.command(name="rm")
+def remove(keys: list[str] = typer.Argument(..., help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
+    """Delete saved caches by key."""
+    store = CacheStore()
+    known = [entry.key for entry in store.entries()]
+    for prefix in keys:
+        matches = [key for key in known if key.startswith(prefix)]
+        if len(matches) != 1:
+            raise ConfigError(f"{prefix!r} matches {len(matches)} saved caches; give more of the key")
+        store.remove(matches[0])
+        print(f"removed {matches[0]}")
+
+
+@app.command(name="clear")
+def clear(yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")) -> None:
+    """Delete every saved cache."""
+    store = CacheStore()
+    entries = store.entries()
+    if not entries:
+        print("the store is empty")
+        return
+    if not yes and not typer.confirm(f"Delete {len(entries)} saved caches ({sum(e.size for e in entries) / 2**20:.1f} MiB)?"):
+        raise typer.Abort()
+    print(f"removed {store.clear()} caches")

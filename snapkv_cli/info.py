@@ -1,0 +1,57 @@
+"""snapkv info: what a saved cache holds, from its metadata and tensors."""
+
+import datetime
+import json
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from snapkv.store import load_cache, read_metadata
+
+from .common import inert, stderr_console, stdout_console
+
+
+def describe(path: Path) -> dict:
+    """The metadata plus sizes and per-layer kept counts (the file is fully validated)."""
+    metadata = read_metadata(path)
+    cache, _ = load_cache(path)
+    kept = [k.shape[1] for k in cache.keys]
+    return {
+        "path": str(path),
+        "file_bytes": path.stat().st_size,
+        "kv_bytes": cache.kv_bytes,
+        "kv_bytes_full": cache.full_kv_bytes(),
+        "kept_per_layer": kept,
+        **metadata,
+    }
+
+
+def info(
+    file: Path = typer.Argument(..., help="A saved .snapkv cache."),
+    as_json: bool = typer.Option(False, "--json", help="Print the metadata as one JSON object."),
+) -> None:
+    """Show what a saved cache holds: model, sources, lengths, settings, sizes."""
+    with stderr_console().status("Reading..."):
+        data = describe(file)
+    if as_json:
+        print(json.dumps(data))
+        return
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="dim")
+    table.add_column(overflow="fold")
+    model = data.get("model", {})
+    table.add_row("file", inert(f"{data['path']} ({data['file_bytes'] / 2**20:.1f} MiB, format {data['version']})"))
+    table.add_row("model", inert(f"{model.get('name')} ({model.get('model_type')}), {data['dtype']}"))
+    for source in data.get("sources", []):
+        pages = f", {source['pages']} pages" if source.get("pages") else ""
+        table.add_row("source", inert(f"{source['name']} ({source['size']} bytes{pages}, sha256 {source['sha256'][:12]})"))
+    kept = data["kept_per_layer"]
+    table.add_row("prompt", f"{data['original_length']} tokens")
+    table.add_row("kept", f"{min(kept)}-{max(kept)} per KV head per layer, {len(kept)} layers")
+    table.add_row("mode", f"{data.get('mode')}, stored tier {data.get('stored') or 'whole prompt'}")
+    table.add_row("KV memory", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB full")
+    producer = data.get("producer", {})
+    created = datetime.datetime.fromtimestamp(data.get("created", 0)).strftime("%Y-%m-%d %H:%M")
+    table.add_row("made", inert(f"{created} by snapkv {producer.get('snapkv')}, transformers {producer.get('transformers')}"))
+    stdout_console().print(table)
