@@ -43,11 +43,25 @@ def test_bad_input_gets_a_message_and_an_exit_code(snapkv_home, args, code, mess
 
 @pytest.mark.slow
 def test_ask_json_on_the_sample_report(embedded_home):
-    result = run_snapkv("ask", str(SAMPLE), "What was the revenue for the 2023 financial year?",
+    result = run_snapkv("ask", str(SAMPLE.with_suffix(".pdf")), "What was the revenue for the 2023 financial year?",
                         "Where will the next annual general meeting be held?", "--json", "--budget", "512",
                         home=embedded_home)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
+    expected_keys = {
+        "answers": {"question", "answer", "new_tokens", "ttft_seconds", "decode_tokens_per_second"},
+        "document": {"tokens", "sources"},
+        "compression": {"method", "budget", "window", "kernel", "pooling", "query_aware", "kept_tokens", "kv_bytes",
+                        "kv_bytes_full"},
+        "cache": {"path", "hit", "bytes", "load_seconds", "save_seconds"},
+        "timings": {"model_load_seconds", "ingest_seconds", "prefill_seconds"},
+        "memory": {"peak_bytes", "device"},
+        "model": {"name", "context_length"},
+    }
+    for section, keys in expected_keys.items():
+        for entry in report[section] if isinstance(report[section], list) else [report[section]]:
+            assert keys <= set(entry), (section, keys - set(entry))
+    assert report["document"]["sources"][0]["pages"] == 2
     assert [a["question"] for a in report["answers"]][0].startswith("What was the revenue")
     assert "184.6" in report["answers"][0]["answer"]
     assert "Wick" in report["answers"][1]["answer"]

@@ -59,3 +59,41 @@ def test_utf16_and_missing(tmp_path):
     assert read_sources(str(path)).text == "hello"
     with pytest.raises(DocumentError, match="no such"):
         read_sources(str(tmp_path / "nope.txt"))
+
+
+def test_pdf_pages_are_marked(tmp_path):
+    from pdf_fixtures import text_pdf
+
+    path = tmp_path / "two.pdf"
+    path.write_bytes(text_pdf([["First page line."], ["Second page (with parentheses)."]]))
+    document = read_sources(str(path))
+    assert document.sources[0].pages == 2
+    assert document.text.index("[page 1]") < document.text.index("First page line.") \
+        < document.text.index("[page 2]") < document.text.index("Second page (with parentheses).")
+
+
+def test_sample_pdf_reads(tmp_path):
+    from pathlib import Path
+
+    document = read_sources(str(Path(__file__).parent.parent / "samples" / "annual_report.pdf"))
+    assert "184.6 million pounds" in document.text
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "empty"),
+    (b"hello, not a pdf", "not a readable PDF"),
+])
+def test_bad_pdfs_are_refused(tmp_path, content, message):
+    path = tmp_path / "doc.pdf"
+    path.write_bytes(content)
+    with pytest.raises(DocumentError, match=message):
+        read_sources(str(path))
+
+
+def test_pdf_without_text_asks_for_ocr(tmp_path):
+    from pdf_fixtures import text_pdf
+
+    path = tmp_path / "scan.pdf"
+    path.write_bytes(text_pdf([[], []]))
+    with pytest.raises(DocumentError, match="OCR"):
+        read_sources(str(path))
