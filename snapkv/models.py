@@ -214,3 +214,45 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     check_supported(model)
     model.to(torch_device).eval()
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype)
+
+
+def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+    """A model of a real shape (a config.json) with random weights, for speed and memory only.
+
+    The embedded model's tokenizer makes its prompts; answers are meaningless. Refused before any
+    allocation when the weights alone would not fit in free memory.
+    """
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(config_file).expanduser()
+    try:
+        values = json.loads(path.read_text())
+        config = AutoConfig.for_model(**values)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelNotFoundError(f"{config_file}: not a readable model config ({error})") from error
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    needed = parameters * torch.empty((), dtype=torch_dtype).element_size()
+    if torch_device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch_device)
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    if needed > 0.9 * free:
+        raise ConfigError(
+            f"{path.name}: {parameters / 1e9:.1f}B parameters need {needed / 2**30:.1f} GiB in {torch_dtype}, "
+            f"and only {free / 2**30:.1f} GiB is free on {torch_device}; use a GPU or a smaller shape"
+        )
+    torch.manual_seed(0)
+    with torch_device:  # initialised where it will run, not copied there
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
+                                                 attn_implementation=pick_attention(torch_device))
+    check_supported(model)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(None)[1])
+    return LoadedModel(model, tokenizer, f"{path.stem} (random weights)", torch_device, torch_dtype)

@@ -7,7 +7,7 @@ import typer
 
 from snapkv.errors import SnapKVError
 
-from . import ask, cache, compress, info, repl
+from . import ask, bench, cache, compress, info, repl
 
 app = typer.Typer(
     name="snapkv",
@@ -20,6 +20,7 @@ app.command(name="ask")(ask.ask)
 app.command(name="compress")(compress.compress)
 app.command(name="repl")(repl.repl)
 app.command(name="info")(info.info)
+app.command(name="bench")(bench.bench)
 app.add_typer(cache.app, name="cache")
 
 

@@ -1,0 +1,112 @@
+"""snapkv bench: the full cache and SnapKV side by side, in one process, as a table, JSON or a plot."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from snapkv.bench import BenchResult, parse_length, run_bench
+from snapkv.errors import ConfigError
+from snapkv.models import random_weights_model
+
+from .common import (DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption, QueryAwareOption,
+                     WindowOption, load_with_status, stderr_console, stdout_console)
+
+FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
+
+
+def _table(result: BenchResult) -> Table:
+    table = Table(title=f"{result.model} on {result.device}, {result.dtype}")
+    for column in ("length", "method", "budget", "prefill s", "TTFT s", "decode ms/tok", "KV MiB", "peak MiB", "needle"):
+        table.add_column(column, justify="right")
+    for row in result.rows:
+        needle = "-" if row.needle_found is None else ("found" if row.needle_found else "missed")
+        method = row.method + ("-qa" if row.query_aware else "")
+        table.add_row(str(row.length), method, str(row.budget or "-"), f"{row.prefill_seconds:.2f}",
+                      f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}", f"{row.kv_bytes / 2**20:.1f}",
+                      f"{row.peak_memory_bytes / 2**20:.0f}", needle)
+    return table
+
+
+def _plot(result: BenchResult, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from error
+    figure, (decode, memory) = plt.subplots(1, 2, figsize=(11, 4))
+    series = sorted({(row.method, row.budget) for row in result.rows}, key=lambda s: (s[0], s[1] or 0))
+    for method, budget in series:
+        rows = [r for r in result.rows if (r.method, r.budget) == (method, budget)]
+        label = "full cache" if method == "full" else f"SnapKV {budget}"
+        decode.plot([r.length for r in rows], [r.decode_ms_per_token for r in rows], marker="o", label=label)
+        memory.plot([r.length for r in rows], [r.kv_bytes / 2**20 for r in rows], marker="o", label=label)
+    decode.set(xlabel="prompt tokens", ylabel="decode ms / token", title="Decode time")
+    memory.set(xlabel="prompt tokens", ylabel="KV cache MiB", title="KV memory while decoding")
+    for axes in (decode, memory):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle(f"{result.model} on {result.device} ({result.dtype})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def bench(
+    length: str = typer.Option("2k", help="Prompt lengths, comma-separated: 8k,16k,128k (k = 1024)."),
+    budget: str = typer.Option("1024", help="SnapKV budgets, comma-separated."),
+    model: ModelOption = None,
+    random_weights: Optional[Path] = typer.Option(
+        None, help="A config.json of a real model shape (see samples/configs/) built with random weights: speed "
+                   "and memory at lengths no real weights are at hand for; answers are meaningless."),
+    window: WindowOption = 32,
+    kernel: KernelOption = 15,
+    pooling: PoolingOption = "max",
+    query_aware: QueryAwareOption = True,
+    decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded to time decode speed."),
+    allow_extrapolation: bool = typer.Option(False, help="Allow lengths past the model's context (speed and memory only)."),
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG of decode time and KV memory against length."),
+) -> None:
+    """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle."""
+    lengths = [parse_length(part) for part in length.split(",") if part.strip()]
+    try:
+        budgets = [int(part) for part in budget.split(",") if part.strip()]
+    except ValueError as error:
+        raise ConfigError(f"--budget takes whole numbers separated by commas, got {budget!r}") from error
+    err = stderr_console()
+    if random_weights is not None:
+        with err.status("Building a random-weights model..."):
+            loaded = random_weights_model(str(random_weights), device=device, dtype=dtype)
+        err.print("note: random weights: answers are meaningless; speed and memory are real", markup=False)
+    else:
+        loaded, _ = load_with_status(err, model, device, dtype)
+    with err.status("Measuring...") as status:
+        result = run_bench(loaded, FILLER.read_text(encoding="utf-8"), lengths, budgets, window=window,
+                           kernel=kernel, pooling=pooling, query_aware=query_aware, decode_tokens=decode_tokens,
+                           allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
+                           on_row=lambda row: status.update(f"Measured {row.method} at {row.length} tokens..."))
+    if plot is not None:
+        _plot(result, plot)
+    if as_json:
+        data = dataclasses.asdict(result)
+        if result.followup:
+            data["followup"]["speedup"] = result.followup.speedup
+        sys.stdout.write(json.dumps(data) + "\n")
+        return
+    stdout_console().print(_table(result))
+    for note in result.notes:
+        err.print("note: " + note, markup=False)
+    follow = result.followup
+    if follow:
+        stdout_console().print(
+            f"follow-up question at {follow.length} tokens, budget {follow.budget}: load {follow.load_seconds:.3f} s + "
+            f"first token {follow.ttft_seconds:.3f} s vs re-prefill {follow.reprefill_seconds:.2f} s = "
+            f"{follow.speedup:.1f}x faster ({follow.file_bytes / 2**20:.1f} MiB file)")

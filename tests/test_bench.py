@@ -1,0 +1,63 @@
+"""snapkv bench: lengths, refusals, the JSON rows, the plot, random-weights shapes."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from snapkv.bench import parse_length
+from snapkv.errors import ConfigError
+from snapkv_cli.app import app
+
+TINY_SHAPE = Path(__file__).parent.parent / "samples" / "configs" / "tiny-llama.json"
+
+
+@pytest.fixture
+def home(embedded_home, tmp_path, monkeypatch):
+    path = tmp_path / "home"
+    path.mkdir()
+    (path / "models").symlink_to(embedded_home / "models")
+    monkeypatch.setenv("SNAPKV_HOME", str(path))
+    return path
+
+
+def test_parse_length():
+    assert parse_length("8k") == 8192 and parse_length("128K") == 131072
+    assert parse_length("1m") == 1048576 and parse_length("7000") == 7000
+    for bad in ("", "k", "lots", "4"):
+        with pytest.raises(ConfigError):
+            parse_length(bad)
+
+
+def test_random_weights_bench_json_and_plot(home, tmp_path):
+    plot = tmp_path / "bench.png"
+    result = CliRunner().invoke(app, ["bench", "--random-weights", str(TINY_SHAPE), "--length", "600,1200",
+                                      "--budget", "128,256", "--decode-tokens", "4", "--json", "--plot", str(plot)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    rows = data["rows"]
+    assert [(r["length"], r["method"], r["budget"]) for r in rows] == [
+        (600, "full", None), (600, "snapkv", 128), (600, "snapkv", 256),
+        (1200, "full", None), (1200, "snapkv", 128), (1200, "snapkv", 256)]
+    for row in rows:
+        assert row["needle_found"] is None  # random weights: not meaningful
+        assert row["prefill_seconds"] > 0 and row["decode_ms_per_token"] > 0
+    full, small = rows[3], rows[4]
+    assert small["kv_bytes"] < full["kv_bytes"]
+    assert data["followup"]["length"] == 1200 and data["followup"]["speedup"] > 0
+    assert any("random weights" in note for note in data["notes"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lengths_past_the_context_are_refused(home):
+    with pytest.raises(ConfigError, match="--allow-extrapolation"):
+        CliRunner().invoke(app, ["bench", "--length", "128k"], catch_exceptions=False)
+
+
+def test_too_large_a_shape_is_refused_before_allocating(home):
+    shape = Path(__file__).parent.parent / "samples" / "configs" / "llama-3.1-8b.json"
+    with pytest.raises(ConfigError, match="GiB"):
+        CliRunner().invoke(app, ["bench", "--random-weights", str(shape), "--dtype", "float32", "--device", "cpu"],
+                           catch_exceptions=False)
