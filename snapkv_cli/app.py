@@ -7,7 +7,7 @@ import typer
 
 from snapkv.errors import SnapKVError
 
-from . import ask, bench, cache, compress, info, repl
+from . import ask, bench, cache, compress, evaluate, info, repl
 
 app = typer.Typer(
     name="snapkv",
@@ -22,6 +22,7 @@ app.command(name="repl")(repl.repl)
 app.command(name="info")(info.info)
 app.command(name="bench")(bench.bench)
 app.add_typer(cache.app, name="cache")
+app.add_typer(evaluate.app, name="eval")
 
 
 @app.callback()

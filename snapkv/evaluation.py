@@ -1,0 +1,157 @@
+"""Accuracy of SnapKV against the full cache: the needle grid, and many questions on one saved cache.
+
+Measurements only: dataclasses out, nothing printed.
+"""
+
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import SnapKVConfig
+from .documents import Document
+from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
+from .models import LoadedModel
+from .session import Session
+from .store import CacheStore
+
+
+@dataclass(frozen=True)
+class EvalSetting:
+    """One way of answering: the full cache, or SnapKV in one mode at one budget."""
+
+    name: str
+    config: SnapKVConfig | None
+
+    @classmethod
+    def grid(cls, budgets: list[int], *, window: int, kernel: int, pooling: str,
+             modes: tuple[str, ...] = ("query-aware", "document-window")) -> list["EvalSetting"]:
+        settings = [cls("full", None)]
+        for mode in modes:
+            for budget in budgets:
+                config = SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling,
+                                      query_aware=mode == "query-aware")
+                settings.append(cls(f"{mode} {budget}", config))
+        return settings
+
+
+@dataclass
+class NeedleResult:
+    lengths: list[int]
+    depths: list[float]
+    # setting name -> [length index][depth index] found?
+    found: dict[str, list[list[bool]]] = field(default_factory=dict)
+    answers: dict[str, list[list[str]]] = field(default_factory=dict)
+
+    def accuracy(self, name: str) -> float:
+        cells = [cell for row in self.found[name] for cell in row]
+        return sum(cells) / len(cells) if cells else 0.0
+
+
+def _needle_number(length_index: int, depth_index: int) -> str:
+    return str(random.Random(length_index * 1000 + depth_index).randrange(10000, 99999))
+
+
+def _prepare(loaded: LoadedModel, config: SnapKVConfig | None, document: Document, cache_of_tier: dict):
+    """Prefill once per stored tier: the full cache serves 'full' and every query-aware budget."""
+    tier = None if config is None else config.stored_tier
+    key = None if tier is None else (tier.budget, tier.window, tier.kernel, tier.pooling)
+    if key not in cache_of_tier:
+        cache_of_tier[key] = Session(loaded, config).prepare(document)
+    return cache_of_tier[key]
+
+
+def needle_grid(loaded: LoadedModel, filler: str, lengths: list[int], depths: list[float],
+                settings: list[EvalSetting], on_cell=None) -> NeedleResult:
+    """The paper's needle-in-a-haystack grid for each setting."""
+    result = NeedleResult(lengths, depths)
+    for setting in settings:
+        result.found[setting.name] = [[False] * len(depths) for _ in lengths]
+        result.answers[setting.name] = [[""] * len(depths) for _ in lengths]
+    for li, length in enumerate(lengths):
+        for di, depth in enumerate(depths):
+            haystack = build_haystack(loaded.tokenizer, filler, length, depth, _needle_number(li, di))
+            document = Document(haystack.text)
+            prepared_by_tier: dict = {}
+            for setting in settings:
+                session = Session(loaded, setting.config)
+                prepared = _prepare(loaded, setting.config, document, prepared_by_tier)
+                text = "".join(session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX,
+                                           max_new_tokens=10))
+                result.found[setting.name][li][di] = haystack.number in text
+                result.answers[setting.name][li][di] = text.strip()
+                if on_cell:
+                    on_cell(setting.name, length, depth)
+    return result
+
+
+# ------------------------------------------------------------------------------------------ many questions
+
+_SUBJECTS = ["the lighthouse keeper", "the river ferry", "the village bakery", "the map archive", "the clock tower",
+             "the walled garden", "the old library", "the harbour crane", "the mountain hut", "the night train"]
+
+
+@dataclass(frozen=True)
+class Fact:
+    subject: str
+    number: str
+
+    @property
+    def sentence(self) -> str:
+        return f"The registration number of {self.subject} is {self.number}."
+
+    @property
+    def question(self) -> str:
+        return f"What is the registration number of {self.subject}?"
+
+    @property
+    def answer_prefix(self) -> str:
+        return f"The registration number of {self.subject} is"
+
+
+@dataclass
+class MultiResult:
+    tokens: int
+    facts: list[Fact]
+    # setting name -> found per fact, asked in turn against one loaded cache
+    found: dict[str, list[bool]] = field(default_factory=dict)
+    file_bytes: dict[str, int] = field(default_factory=dict)
+
+    def accuracy(self, name: str) -> float:
+        return sum(self.found[name]) / len(self.found[name]) if self.found[name] else 0.0
+
+
+def multi_fact_document(tokenizer, filler: str, tokens: int, count: int, seed: int = 0) -> tuple[str, list[Fact]]:
+    """Filler of about `tokens` tokens with `count` different facts spread through it."""
+    generator = random.Random(seed)
+    facts = [Fact(subject, str(generator.randrange(10000, 99999))) for subject in _SUBJECTS[:count]]
+    base = build_haystack(tokenizer, filler, tokens, 0.0, "0").text.split("\n\n")[1:]  # drop the placeholder
+    for index, fact in enumerate(facts):
+        position = round((index + 0.5) / len(facts) * len(base)) + index
+        base.insert(position, fact.sentence)
+    return "\n\n".join(base), facts
+
+
+def many_questions(loaded: LoadedModel, filler: str, tokens: int, count: int,
+                   settings: list[EvalSetting], on_answer=None) -> MultiResult:
+    """One document, compressed once and saved; every question asked against the one cache loaded back."""
+    text, facts = multi_fact_document(loaded.tokenizer, filler, tokens, count)
+    document = Document(text)
+    result = MultiResult(tokens=0, facts=facts)
+    with tempfile.TemporaryDirectory() as folder:
+        store = CacheStore(Path(folder))
+        for setting in settings:
+            session = Session(loaded, setting.config, store=store)
+            session.prepare(document)  # prefill and save
+            reloaded = session.prepare(document)  # loaded back from the file, as a later process would
+            result.tokens = reloaded.tokens
+            result.file_bytes[setting.name] = reloaded.file_bytes
+            found = []
+            for fact in facts:
+                text = "".join(session.ask(reloaded, fact.question, answer_prefix=fact.answer_prefix,
+                                           max_new_tokens=10))
+                found.append(fact.number in text)
+                if on_answer:
+                    on_answer(setting.name, fact)
+            result.found[setting.name] = found
+    return result

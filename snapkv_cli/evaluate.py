@@ -1,0 +1,146 @@
+"""snapkv eval needle|multi: accuracy of SnapKV settings against the full cache."""
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from snapkv.bench import parse_length
+from snapkv.errors import ConfigError
+from snapkv.evaluation import EvalSetting, NeedleResult, many_questions, needle_grid
+
+from .common import (DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption, WindowOption,
+                     load_with_status, stderr_console, stdout_console)
+
+FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
+app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True)
+ModesOption = typer.Option("query-aware,document-window",
+                           help="SnapKV modes to compare with the full cache: query-aware, document-window.")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ConfigError(f"{what} takes whole numbers separated by commas, got {text!r}") from error
+
+
+def _settings(budgets: str, modes: str, window: int, kernel: int, pooling: str) -> list[EvalSetting]:
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = set(chosen) - {"query-aware", "document-window"}
+    if unknown:
+        raise ConfigError(f"unknown mode(s) {', '.join(sorted(unknown))}: use query-aware, document-window")
+    return EvalSetting.grid(_ints(budgets, "--budgets"), window=window, kernel=kernel, pooling=pooling, modes=chosen)
+
+
+def _heatmaps(result: NeedleResult, folder: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ConfigError('--plot-dir needs matplotlib: pip install -e ".[plot]"') from error
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, grid in result.found.items():
+        figure, axes = plt.subplots(figsize=(1 + 0.5 * len(result.depths), 1 + 0.5 * len(result.lengths)))
+        axes.imshow([[1.0 if cell else 0.0 for cell in row] for row in grid], cmap="RdYlGn", vmin=0, vmax=1,
+                    aspect="auto")
+        axes.set_xticks(range(len(result.depths)), [f"{d:.0%}" for d in result.depths], rotation=45)
+        axes.set_yticks(range(len(result.lengths)), [str(n) for n in result.lengths])
+        axes.set(xlabel="needle depth", ylabel="document tokens",
+                 title=f"{name}: {result.accuracy(name):.0%} found")
+        figure.tight_layout()
+        path = folder / f"needle-{name.replace(' ', '-')}.png"
+        figure.savefig(path, dpi=100)
+        plt.close(figure)
+        written.append(path)
+    return written
+
+
+@app.command()
+def needle(
+    lengths: str = typer.Option("1k,2k,4k,7k", help="Document lengths in tokens, comma-separated (k = 1024)."),
+    depths: str = typer.Option("0,10,20,30,40,50,60,70,80,90,100", help="Needle depths in percent."),
+    budgets: str = typer.Option("512,1024", help="SnapKV budgets, comma-separated."),
+    modes: str = ModesOption,
+    model: ModelOption = None,
+    window: WindowOption = 32,
+    kernel: KernelOption = 15,
+    pooling: PoolingOption = "max",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    plot_dir: Optional[Path] = typer.Option(None, help="Write one heatmap PNG per setting here."),
+) -> None:
+    """The paper's needle-in-a-haystack grid: full cache vs SnapKV, per length and depth."""
+    length_values = [parse_length(part) for part in lengths.split(",") if part.strip()]
+    depth_values = [d / 100 for d in _ints(depths, "--depths")]
+    if any(not 0 <= d <= 1 for d in depth_values):
+        raise ConfigError("--depths are percentages from 0 to 100")
+    settings = _settings(budgets, modes, window, kernel, pooling)
+    err = stderr_console()
+    loaded, _ = load_with_status(err, model, device, dtype)
+    too_long = [n for n in length_values if loaded.context_length and n + 200 > loaded.context_length]
+    if too_long:
+        raise ConfigError(f"{loaded.name} holds {loaded.context_length} tokens; lengths {too_long} leave no room")
+    with err.status("Evaluating...") as status:
+        result = needle_grid(loaded, FILLER.read_text(encoding="utf-8"), length_values, depth_values, settings,
+                             on_cell=lambda name, n, d: status.update(f"{name}: {n} tokens, depth {d:.0%}"))
+    written = _heatmaps(result, plot_dir) if plot_dir else []
+    if as_json:
+        data = dataclasses.asdict(result)
+        data["accuracy"] = {name: result.accuracy(name) for name in result.found}
+        sys.stdout.write(json.dumps(data) + "\n")
+        return
+    table = Table(title=f"needle found, {loaded.name}")
+    table.add_column("setting")
+    for length in result.lengths:
+        table.add_column(str(length), justify="right")
+    table.add_column("all", justify="right")
+    for name, grid in result.found.items():
+        table.add_row(name, *[f"{sum(row)}/{len(row)}" for row in grid], f"{result.accuracy(name):.0%}")
+    stdout_console().print(table)
+    for path in written:
+        err.print(f"wrote {path}", markup=False)
+
+
+@app.command()
+def multi(
+    tokens: str = typer.Option("4k", help="Document length in tokens (k = 1024)."),
+    facts: int = typer.Option(8, min=1, max=10, help="How many different facts the document holds."),
+    budgets: str = typer.Option("512,1024", help="SnapKV budgets, comma-separated."),
+    modes: str = ModesOption,
+    model: ModelOption = None,
+    window: WindowOption = 32,
+    kernel: KernelOption = 15,
+    pooling: PoolingOption = "max",
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """One document with several facts, compressed once and saved; every question asked against the one cache."""
+    settings = _settings(budgets, modes, window, kernel, pooling)
+    err = stderr_console()
+    loaded, _ = load_with_status(err, model, device, dtype)
+    with err.status("Evaluating...") as status:
+        result = many_questions(loaded, FILLER.read_text(encoding="utf-8"), parse_length(tokens), facts, settings,
+                                on_answer=lambda name, fact: status.update(f"{name}: {fact.subject}"))
+    if as_json:
+        data = dataclasses.asdict(result)
+        data["accuracy"] = {name: result.accuracy(name) for name in result.found}
+        sys.stdout.write(json.dumps(data) + "\n")
+        return
+    table = Table(title=f"{len(result.facts)} questions on one {result.tokens}-token document, {loaded.name}")
+    for column in ("setting", "found", "accuracy", "vs full", "file MiB"):
+        table.add_column(column, justify="right")
+    full = result.accuracy("full") or 1.0
+    for name in result.found:
+        table.add_row(name, f"{sum(result.found[name])}/{len(result.facts)}", f"{result.accuracy(name):.0%}",
+                      f"{result.accuracy(name) / full:.0%}", f"{result.file_bytes[name] / 2**20:.1f}")
+    stdout_console().print(table)
