@@ -87,26 +87,47 @@ def needle_grid(loaded: LoadedModel, filler: str, lengths: list[int], depths: li
 
 # ------------------------------------------------------------------------------------------ many questions
 
-_SUBJECTS = ["the lighthouse keeper", "the river ferry", "the village bakery", "the map archive", "the clock tower",
-             "the walled garden", "the old library", "the harbour crane", "the mountain hut", "the night train"]
+# (statement, question, answer start): each fact worded differently, so a small model can tell them apart
+_FACT_TEMPLATES = [
+    ("The lighthouse keeper's door code is {number}.", "What is the lighthouse keeper's door code?",
+     "The lighthouse keeper's door code is"),
+    ("Last winter the river ferry carried {number} passengers.", "How many passengers did the river ferry carry last winter?",
+     "Last winter the river ferry carried"),
+    ("The village bakery sold {number} loaves at the spring fair.", "How many loaves did the village bakery sell at the spring fair?",
+     "The village bakery sold"),
+    ("The map archive keeps its oldest chart in drawer {number}.", "In which drawer does the map archive keep its oldest chart?",
+     "The map archive keeps its oldest chart in drawer"),
+    ("The clock tower's bell weighs {number} kilograms.", "How much does the clock tower's bell weigh?",
+     "The clock tower's bell weighs"),
+    ("The walled garden has {number} rose bushes.", "How many rose bushes does the walled garden have?",
+     "The walled garden has"),
+    ("The old library's membership number for the mayor is {number}.", "What is the mayor's membership number at the old library?",
+     "The mayor's membership number at the old library is"),
+    ("The harbour crane lifted {number} containers in March.", "How many containers did the harbour crane lift in March?",
+     "The harbour crane lifted"),
+    ("The mountain hut stands at {number} metres above the sea.", "At what height does the mountain hut stand?",
+     "The mountain hut stands at"),
+    ("The night train's locomotive has serial number {number}.", "What is the serial number of the night train's locomotive?",
+     "The night train's locomotive has serial number"),
+]
 
 
 @dataclass(frozen=True)
 class Fact:
-    subject: str
+    template: int
     number: str
 
     @property
     def sentence(self) -> str:
-        return f"The registration number of {self.subject} is {self.number}."
+        return _FACT_TEMPLATES[self.template][0].format(number=self.number)
 
     @property
     def question(self) -> str:
-        return f"What is the registration number of {self.subject}?"
+        return _FACT_TEMPLATES[self.template][1]
 
     @property
     def answer_prefix(self) -> str:
-        return f"The registration number of {self.subject} is"
+        return _FACT_TEMPLATES[self.template][2]
 
 
 @dataclass
@@ -124,7 +145,7 @@ class MultiResult:
 def multi_fact_document(tokenizer, filler: str, tokens: int, count: int, seed: int = 0) -> tuple[str, list[Fact]]:
     """Filler of about `tokens` tokens with `count` different facts spread through it."""
     generator = random.Random(seed)
-    facts = [Fact(subject, str(generator.randrange(10000, 99999))) for subject in _SUBJECTS[:count]]
+    facts = [Fact(index, str(generator.randrange(10000, 99999))) for index in range(min(count, len(_FACT_TEMPLATES)))]
     base = build_haystack(tokenizer, filler, tokens, 0.0, "0").text.split("\n\n")[1:]  # drop the placeholder
     for index, fact in enumerate(facts):
         position = round((index + 0.5) / len(facts) * len(base)) + index

@@ -207,7 +207,10 @@ class Session:
         started = time.perf_counter()
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.device,
                                      dtype=self.loaded.dtype, verify=self.verify)
-        sources = [Source(**source) for source in metadata.get("sources", [])]
+        try:
+            sources = [Source(**source) for source in metadata.get("sources") or []]
+        except TypeError as error:
+            raise CacheFileError(f"{path}: damaged metadata (sources: {error})") from error
         return PreparedDocument(Document("", sources), cache, path=Path(path), hit=True,
                                 load_seconds=time.perf_counter() - started, file_bytes=Path(path).stat().st_size)
 

@@ -130,7 +130,7 @@ def multi(
     loaded, _ = load_with_status(err, model, device, dtype)
     with err.status("Evaluating...") as status:
         result = many_questions(loaded, FILLER.read_text(encoding="utf-8"), parse_length(tokens), facts, settings,
-                                on_answer=lambda name, fact: status.update(f"{name}: {fact.subject}"))
+                                on_answer=lambda name, fact: status.update(f"{name}: {fact.question}"))
     if as_json:
         data = dataclasses.asdict(result)
         data["accuracy"] = {name: result.accuracy(name) for name in result.found}

@@ -79,3 +79,13 @@ def embedded(embedded_home):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SNAPKV_HOME", str(embedded_home))
         return load_model()
+
+
+@pytest.fixture
+def home(embedded_home, tmp_path, monkeypatch):
+    """A fresh snapkv home for CLI tests that shares the converted embedded model."""
+    path = tmp_path / "home"
+    path.mkdir()
+    (path / "models").symlink_to(embedded_home / "models")
+    monkeypatch.setenv("SNAPKV_HOME", str(path))
+    return path

@@ -13,15 +13,6 @@ from snapkv_cli.app import app
 TINY_SHAPE = Path(__file__).parent.parent / "samples" / "configs" / "tiny-llama.json"
 
 
-@pytest.fixture
-def home(embedded_home, tmp_path, monkeypatch):
-    path = tmp_path / "home"
-    path.mkdir()
-    (path / "models").symlink_to(embedded_home / "models")
-    monkeypatch.setenv("SNAPKV_HOME", str(path))
-    return path
-
-
 def test_parse_length():
     assert parse_length("8k") == 8192 and parse_length("128K") == 131072
     assert parse_length("1m") == 1048576 and parse_length("7000") == 7000

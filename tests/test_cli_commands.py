@@ -15,16 +15,6 @@ SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 REVENUE = "What was the revenue for the 2023 financial year?"
 
 
-@pytest.fixture
-def home(embedded_home, tmp_path, monkeypatch):
-    """A fresh snapkv home that shares the converted embedded model."""
-    path = tmp_path / "home"
-    path.mkdir()
-    (path / "models").symlink_to(embedded_home / "models")
-    monkeypatch.setenv("SNAPKV_HOME", str(path))
-    return path
-
-
 def invoke(*args, input=None):
     return CliRunner().invoke(app, list(args), input=input, catch_exceptions=False)
 

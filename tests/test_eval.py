@@ -9,15 +9,6 @@ from snapkv.evaluation import multi_fact_document
 from snapkv_cli.app import app
 
 
-@pytest.fixture
-def home(embedded_home, tmp_path, monkeypatch):
-    path = tmp_path / "home"
-    path.mkdir()
-    (path / "models").symlink_to(embedded_home / "models")
-    monkeypatch.setenv("SNAPKV_HOME", str(path))
-    return path
-
-
 def test_multi_fact_document_holds_every_fact(embedded):
     from pathlib import Path
 
