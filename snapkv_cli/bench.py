@@ -10,11 +10,10 @@ import typer
 from rich.table import Table
 
 from snapkv.bench import BenchResult, parse_length, run_bench
-from snapkv.errors import ConfigError
 from snapkv.models import random_weights_model
 
 from .common import (DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption, QueryAwareOption,
-                     WindowOption, load_with_status, stderr_console, stdout_console)
+                     WindowOption, int_list, load_with_status, pyplot, stderr_console, stdout_console)
 
 FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 
@@ -33,13 +32,7 @@ def _table(result: BenchResult) -> Table:
 
 
 def _plot(result: BenchResult, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ConfigError('--plot needs matplotlib: pip install -e ".[plot]"') from error
+    plt = pyplot()
     figure, (decode, memory) = plt.subplots(1, 2, figsize=(11, 4))
     series = sorted({(row.method, row.budget) for row in result.rows}, key=lambda s: (s[0], s[1] or 0))
     for method, budget in series:
@@ -77,10 +70,7 @@ def bench(
 ) -> None:
     """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle."""
     lengths = [parse_length(part) for part in length.split(",") if part.strip()]
-    try:
-        budgets = [int(part) for part in budget.split(",") if part.strip()]
-    except ValueError as error:
-        raise ConfigError(f"--budget takes whole numbers separated by commas, got {budget!r}") from error
+    budgets = int_list(budget, "--budget")
     err = stderr_console()
     if random_weights is not None:
         with err.status("Building a random-weights model..."):

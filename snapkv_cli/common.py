@@ -14,6 +14,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from snapkv.config import SnapKVConfig
+from snapkv.errors import ConfigError
 from snapkv.models import LoadedModel, load_model
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
@@ -48,6 +49,26 @@ def inert(text: str) -> str:
     Always print it with markup off, so "[bold]" in a document or an answer stays text.
     """
     return _CONTROL.sub("", text)
+
+
+def int_list(text: str, option: str) -> list[int]:
+    """'512,1024' -> [512, 1024]; anything else is a usage error naming the option."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise ConfigError(f"{option} takes whole numbers separated by commas, got {text!r}") from error
+
+
+def pyplot():
+    """matplotlib's pyplot on a file-only backend, or a usage error naming the extra to install."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ConfigError('plots need matplotlib: pip install -e ".[plot]"') from error
+    return plt
 
 
 def settings_from(budget: int, window: int, kernel: int, pooling: str, query_aware: bool,

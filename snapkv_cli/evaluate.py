@@ -14,7 +14,7 @@ from snapkv.errors import ConfigError
 from snapkv.evaluation import EvalSetting, NeedleResult, many_questions, needle_grid
 
 from .common import (DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption, WindowOption,
-                     load_with_status, stderr_console, stdout_console)
+                     int_list, load_with_status, pyplot, stderr_console, stdout_console)
 
 FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True)
@@ -22,29 +22,16 @@ ModesOption = typer.Option("query-aware,document-window",
                            help="SnapKV modes to compare with the full cache: query-aware, document-window.")
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as error:
-        raise ConfigError(f"{what} takes whole numbers separated by commas, got {text!r}") from error
-
-
 def _settings(budgets: str, modes: str, window: int, kernel: int, pooling: str) -> list[EvalSetting]:
     chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
     unknown = set(chosen) - {"query-aware", "document-window"}
     if unknown:
         raise ConfigError(f"unknown mode(s) {', '.join(sorted(unknown))}: use query-aware, document-window")
-    return EvalSetting.grid(_ints(budgets, "--budgets"), window=window, kernel=kernel, pooling=pooling, modes=chosen)
+    return EvalSetting.grid(int_list(budgets, "--budgets"), window=window, kernel=kernel, pooling=pooling, modes=chosen)
 
 
 def _heatmaps(result: NeedleResult, folder: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ConfigError('--plot-dir needs matplotlib: pip install -e ".[plot]"') from error
+    plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, grid in result.found.items():
@@ -80,7 +67,7 @@ def needle(
 ) -> None:
     """The paper's needle-in-a-haystack grid: full cache vs SnapKV, per length and depth."""
     length_values = [parse_length(part) for part in lengths.split(",") if part.strip()]
-    depth_values = [d / 100 for d in _ints(depths, "--depths")]
+    depth_values = [d / 100 for d in int_list(depths, "--depths")]
     if any(not 0 <= d <= 1 for d in depth_values):
         raise ConfigError("--depths are percentages from 0 to 100")
     settings = _settings(budgets, modes, window, kernel, pooling)
