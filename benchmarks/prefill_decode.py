@@ -11,48 +11,16 @@ another's peak.
 import argparse
 import json
 import multiprocessing
-import threading
 import time
 from pathlib import Path
 
 FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 
 
-class PeakRSS:
-    """Samples this process's RSS in a thread; `peak_growth` is the most it rose above the start."""
-
-    def __init__(self, interval: float = 0.002) -> None:
-        import psutil
-
-        self._process = psutil.Process()
-        self._interval = interval
-        self._stop = threading.Event()
-        self.start_rss = self.peak_rss = 0
-
-    def __enter__(self):
-        self.start_rss = self.peak_rss = self._process.memory_info().rss
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
-            time.sleep(self._interval)
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak_rss = max(self.peak_rss, self._process.memory_info().rss)
-
-    @property
-    def peak_growth(self) -> int:
-        return self.peak_rss - self.start_rss
-
-
 def measure(method: str, args: argparse.Namespace, results) -> None:
     import torch
 
+    from snapkv.bench import PeakMemory
     from snapkv.config import SnapKVConfig
     from snapkv.generation import answer, prefill
     from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
@@ -76,11 +44,11 @@ def measure(method: str, args: argparse.Namespace, results) -> None:
     peak_growth = []
     for _ in range(args.repeats):
         cache = None
-        with PeakRSS() as rss:
+        with PeakMemory(loaded.device) as memory:
             started = time.perf_counter()
             cache = prefill(model, ids, tier)
             prefill_seconds.append(time.perf_counter() - started)
-        peak_growth.append(rss.peak_growth)
+        peak_growth.append(memory.peak)
 
     needle_text = "".join(tokenizer.decode([t]) for t in answer(
         model, cache, question, per_question=per_question, max_new_tokens=8, stop_ids=loaded.stop_ids))

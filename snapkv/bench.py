@@ -73,7 +73,7 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
-class _PeakMemory:
+class PeakMemory:
     """Peak memory of a block: CUDA max allocated, or the most RSS rose above its start (sampled)."""
 
     def __init__(self, device: torch.device) -> None:
@@ -130,7 +130,7 @@ def _measure(loaded: LoadedModel, ids: torch.Tensor, number: str, settings: Snap
     question = question_ids(loaded.tokenizer, NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
     tier = settings.stored_tier if settings is not None else None
     per_question = settings if settings is not None and settings.query_aware else None
-    with _PeakMemory(device) as memory:
+    with PeakMemory(device) as memory:
         _sync(device)
         started = time.perf_counter()
         cache = prefill(model, ids, tier)
