@@ -15,6 +15,7 @@ from .config import SnapKVConfig
 from .errors import ConfigError
 from .generation import answer, prefill
 from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
+from .memory import check_prefill_fits
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
 from .store import load_cache, save_cache
@@ -73,6 +74,25 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed by Python and torch back to the OS, so RSS measures what is really in use.
+
+    Without this, glibc keeps freed blocks mapped: a later measurement in the same process reuses them
+    and its RSS growth reads too small.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+            pass
+
+
 class PeakMemory:
     """Peak memory of a block: CUDA max allocated, or the most RSS rose above its start (sampled)."""
 
@@ -87,6 +107,7 @@ class PeakMemory:
             return self
         import psutil
 
+        release_freed_memory()
         process = psutil.Process()
         self._start = self._high = process.memory_info().rss
         self._stop = threading.Event()
@@ -130,6 +151,7 @@ def _measure(loaded: LoadedModel, ids: torch.Tensor, number: str, settings: Snap
     question = question_ids(loaded.tokenizer, NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
     tier = settings.stored_tier if settings is not None else None
     per_question = settings if settings is not None and settings.query_aware else None
+    check_prefill_fits(model, ids.shape[0], device, loaded.dtype, tier)
     with PeakMemory(device) as memory:
         _sync(device)
         started = time.perf_counter()

@@ -3,6 +3,10 @@
 import codecs
 import hashlib
 import html.parser
+import json
+import os
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,26 +91,73 @@ def html_to_text(markup: str) -> str:
     return "\n".join(line for line in lines if line)
 
 
-def pdf_to_text(data: bytes, name: str, password: str | None = None) -> tuple[str, int]:
-    """Text of every page, each headed by a page marker; (text, pages)."""
-    import io
+PDF_TIMEOUT_SECONDS = 120        # wall clock for one PDF; SNAPKV_PDF_TIMEOUT overrides
+PDF_MEMORY_MIB = 2048            # address space of the extraction process; SNAPKV_PDF_MEMORY_MB overrides
 
-    from pypdf import PdfReader
-    from pypdf.errors import PdfReadError
 
+def _env_number(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return default
     try:
-        reader = PdfReader(io.BytesIO(data))
-        if reader.is_encrypted:
-            if reader.decrypt(password or "") == 0:
-                hint = "the password is wrong" if password else "pass its password with --password"
-                raise DocumentError(f"{name}: the PDF is encrypted and {hint}")
-        pages = [page.extract_text() or "" for page in reader.pages]
-    except DocumentError:
-        raise
-    except (PdfReadError, ValueError, KeyError, TypeError, OSError) as error:
-        raise DocumentError(f"{name}: not a readable PDF ({error})") from error
+        number = float(value)
+    except ValueError as error:
+        raise DocumentError(f"{name}={value!r} is not a number") from error
+    if number <= 0:
+        raise DocumentError(f"{name} must be positive, not {value!r}")
+    return number
+
+
+def _pdf_failure(name: str, kind: str, detail: str, memory_mib: float) -> DocumentError:
+    messages = {
+        "password": "the PDF is encrypted; pass its password with --password",
+        "wrong_password": "the PDF is encrypted and the password given is wrong",
+        "limit": f"a compressed stream in the PDF inflates past the reader's safety limit, as a decompression "
+                 f"bomb does ({detail}); the file is refused",
+        "loop": f"the PDF's structure loops back on itself ({detail}); it is malformed",
+        "memory": f"reading the PDF needed more than {memory_mib:.0f} MiB (SNAPKV_PDF_MEMORY_MB); it is "
+                  "malformed or hostile, or raise the limit if you trust it",
+        "dependency": f"the PDF needs an optional library to decrypt it ({detail})",
+    }
+    return DocumentError(f"{name}: " + messages.get(kind, f"not a readable PDF ({detail})"))
+
+
+def pdf_to_text(data: bytes, name: str, password: str | None = None) -> tuple[str, int]:
+    """Text of every page, each headed by a page marker; (text, pages).
+
+    pypdf runs in a child process (snapkv.pdf_worker) under a memory limit and a wall-clock limit, so a
+    hostile PDF cannot hang or exhaust snapkv itself.
+    """
+    if not data.strip():
+        raise DocumentError(f"{name}: the file is empty")
+    timeout = _env_number("SNAPKV_PDF_TIMEOUT", PDF_TIMEOUT_SECONDS)
+    memory_mib = _env_number("SNAPKV_PDF_MEMORY_MB", PDF_MEMORY_MIB)
+    request = {"password": password, "memory_bytes": int(memory_mib * 2**20), "cpu_seconds": int(timeout) + 1}
+    try:
+        finished = subprocess.run(
+            [sys.executable, "-m", "snapkv.pdf_worker"], input=json.dumps(request).encode() + b"\n" + data,
+            capture_output=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        finished = None
+    if finished is None or finished.returncode == -signal.SIGXCPU:
+        raise DocumentError(
+            f"{name}: reading the PDF took longer than {timeout:.0f} s and was stopped; it may be malformed. "
+            "If it is simply very large, allow more time with SNAPKV_PDF_TIMEOUT=<seconds>."
+        )
+    try:
+        result = json.loads(finished.stdout)
+    except json.JSONDecodeError:
+        if finished.returncode < 0 or b"MemoryError" in finished.stderr:  # killed by a limit
+            raise _pdf_failure(name, "memory", "", memory_mib) from None
+        raise DocumentError(f"{name}: the PDF reader failed (exit code {finished.returncode}); "
+                            "the file is probably malformed") from None
+    if not result.get("ok"):
+        raise _pdf_failure(name, result.get("kind", ""), result.get("detail", ""), memory_mib)
+    pages = result["pages"]
     if not any(page.strip() for page in pages):
-        raise DocumentError(f"{name}: the PDF has no text layer (scanned pages?); run OCR on it first")
+        raise DocumentError(f"{name}: the PDF has no text layer (blank or scanned pages, {len(pages)} in all); "
+                            "run OCR on it first, e.g. ocrmypdf in.pdf out.pdf")
     text = "\n\n".join(f"[page {number}]\n{page.strip()}" for number, page in enumerate(pages, 1))
     return text, len(pages)
 
@@ -131,7 +182,11 @@ def read_file(path: Path, password: str | None = None) -> tuple[str, Source]:
     size = path.stat().st_size
     if size > MAX_FILE_BYTES:
         raise DocumentError(f"{path}: {size / 2**20:.0f} MiB is more than the {MAX_FILE_BYTES // 2**20} MiB snapkv reads")
-    return read_bytes(path.read_bytes(), str(path), path.suffix.lower(), password)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise DocumentError(f"{path}: cannot read ({error.strerror or error})") from error
+    return read_bytes(data, str(path), path.suffix.lower(), password)
 
 
 def read_sources(spec: str, password: str | None = None) -> Document:
@@ -155,3 +210,36 @@ def read_sources(spec: str, password: str | None = None) -> Document:
         raise DocumentError(f"{spec}: no such file or folder")
     text, source = read_file(path, password)
     return Document(text, [source])
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def stale_sources(recorded: list[Source], given: Document | None = None) -> list[str]:
+    """Why a saved cache no longer matches its documents; [] when nothing is known to have changed.
+
+    given: the document(s) the user says the cache was made from. Without it, each recorded source that
+    still exists at the path it was read from is checked.
+    """
+    if given is not None:
+        known = {source.sha256 for source in recorded}
+        changed = [source.name for source in given.sources if source.sha256 not in known]
+        if changed or len(given.sources) != len(recorded):
+            names = ", ".join(changed) or "the documents given"
+            return [f"{names} differ from what this cache was made from "
+                    f"({', '.join(s.name for s in recorded) or 'unknown sources'})"]
+        return []
+    reasons = []
+    for source in recorded:
+        path = Path(source.name)
+        try:
+            if path.is_file() and (path.stat().st_size != source.size or file_sha256(path) != source.sha256):
+                reasons.append(f"{source.name} has changed since this cache was made from it")
+        except OSError:
+            continue
+    return reasons

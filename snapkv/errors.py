@@ -41,3 +41,29 @@ class IncompatibleCacheError(SnapKVError):
     """A valid saved cache made for another model, tokenizer or prompt template."""
 
     exit_code = 5
+
+
+class OutOfMemoryError(SnapKVError):
+    """The prompt does not fit in memory: refused by the preflight estimate, or a real out-of-memory."""
+
+    exit_code = 6
+
+
+class StorageError(SnapKVError):
+    """A cache could not be written: disk full, a folder that cannot be written, a file in the way."""
+
+    exit_code = 7
+
+
+# Exit codes, as documented in README.md and `snapkv --help`.
+EXIT_CODES = {
+    0: "success",
+    1: "internal error (a bug: run again with --debug and report the traceback)",
+    2: "bad usage or settings",
+    3: "model not found or not supported",
+    4: "unreadable or unusable document",
+    5: "damaged, foreign or incompatible cache file",
+    6: "out of memory",
+    7: "cannot write (disk full, folder not writable)",
+    130: "interrupted (Ctrl-C)",
+}

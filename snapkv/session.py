@@ -12,9 +12,10 @@ import torch
 
 from .cache import CompressedCache
 from .config import SnapKVConfig
-from .documents import Document, Source
-from .errors import CacheFileError, ConfigError, DocumentError
+from .documents import Document, Source, stale_sources
+from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
 from .generation import Sampling, answer, prefill
+from .memory import check_prefill_fits, is_out_of_memory, release_device_memory
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
 from .store import CacheStore, cache_key, load_cache, save_cache
@@ -75,12 +76,21 @@ class AnswerStream:
         ids = question_ids(tokenizer, self.question, self._answer_prefix)
         settings = self._session.settings
         per_question = settings if settings is not None and settings.query_aware else None
+        max_new_tokens = self._max_new_tokens
+        if loaded.context_length:  # never decode past the positions the model was trained for
+            room = loaded.context_length - self._prepared.cache.original_length - ids.shape[0]
+            if room < 1:
+                raise DocumentError(
+                    f"the question ({ids.shape[0]} tokens) does not fit after the {self._prepared.cache.original_length}-"
+                    f"token document in {loaded.name}'s {loaded.context_length} positions; ask a shorter question"
+                )
+            max_new_tokens = min(max_new_tokens, room)
         started = time.perf_counter()
         first_token_at = None
         tokens: list[int] = []
         shown = ""
         for token in answer(loaded.model, self._prepared.cache, ids, per_question=per_question,
-                            max_new_tokens=self._max_new_tokens, stop_ids=loaded.stop_ids,
+                            max_new_tokens=max_new_tokens, stop_ids=loaded.stop_ids,
                             sampling=self._sampling):
             if first_token_at is None:
                 first_token_at = time.perf_counter()
@@ -180,7 +190,7 @@ class Session:
         note = ""
         if self.store is not None and (path := self.store.lookup(key)) is not None:
             try:
-                prepared = self.load_file(path)
+                prepared = self.load_file(path, check_sources=False)
             except CacheFileError as error:  # rebuilt and overwritten below
                 note = f"the saved cache was unreadable and has been rebuilt ({error})"
             else:
@@ -188,12 +198,26 @@ class Session:
                     prepared.document = document
                     return prepared
         tier = self.settings.stored_tier if self.settings is not None else None
+        loaded = self.loaded
+        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, tier)
         started = time.perf_counter()
-        cache = prefill(self.loaded.model, ids, tier, on_layer=self.on_layer)
+        try:
+            cache = prefill(loaded.model, ids, tier, on_layer=self.on_layer)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            release_device_memory(loaded.device)
+            raise OutOfMemoryError(
+                f"ran out of memory prefilling {ids.shape[0]} tokens on {loaded.device} ({type(error).__name__}); "
+                "nothing was saved. Use a shorter document (--truncate), a smaller budget with --no-query-aware, "
+                "or another device."
+            ) from error
         prepared = PreparedDocument(document, cache, prefill_seconds=time.perf_counter() - started, note=note)
         if self.store is not None:
-            prepared.path = self.store.path_for(key)
-            self.save(prepared, prepared.path)
+            try:
+                self.save(prepared, self.store.path_for(key))
+            except StorageError as error:  # the answers need only the cache in memory: go on without it
+                prepared.note = f"{error} The next question on this document will prefill again."
         return prepared
 
     def save(self, prepared: PreparedDocument, path: Path) -> None:
@@ -202,8 +226,11 @@ class Session:
         prepared.save_seconds = time.perf_counter() - started
         prepared.path = Path(path)
 
-    def load_file(self, path: Path) -> PreparedDocument:
-        """A saved cache, checked against the model in use and moved to its device and dtype."""
+    def load_file(self, path: Path, check_sources: bool = True) -> PreparedDocument:
+        """A saved cache, checked against the model in use and moved to its device and dtype.
+
+        check_sources: note (in .note) when a recorded source file has changed since the cache was made.
+        """
         started = time.perf_counter()
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.device,
                                      dtype=self.loaded.dtype, verify=self.verify)
@@ -211,7 +238,10 @@ class Session:
             sources = [Source(**source) for source in metadata.get("sources") or []]
         except TypeError as error:
             raise CacheFileError(f"{path}: damaged metadata (sources: {error})") from error
-        return PreparedDocument(Document("", sources), cache, path=Path(path), hit=True,
+        stale = stale_sources(sources) if check_sources else []
+        note = ("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "
+                "build a new cache from the document.") if stale else ""
+        return PreparedDocument(Document("", sources), cache, path=Path(path), hit=True, note=note,
                                 load_seconds=time.perf_counter() - started, file_bytes=Path(path).stat().st_size)
 
     def ask(self, prepared: PreparedDocument, question: str, *, answer_prefix: str = "",

@@ -9,6 +9,7 @@ File layout (safetensors, never pickle):
 """
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -23,7 +24,7 @@ from typing import Iterator
 import torch
 
 from .cache import CompressedCache
-from .errors import CacheFileError, IncompatibleCacheError, SnapKVError
+from .errors import CacheFileError, IncompatibleCacheError, SnapKVError, StorageError
 from .paths import snapkv_home
 
 FORMAT_NAME = "snapkv-cache"
@@ -138,7 +139,6 @@ def save_cache(path: Path, cache: CompressedCache, metadata: dict) -> int:
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tensors = cache_tensors(cache)
     header = {
         **metadata,
@@ -149,19 +149,36 @@ def save_cache(path: Path, cache: CompressedCache, metadata: dict) -> int:
         "dtype": str(cache.keys[0].dtype).replace("torch.", ""),
         "payload_sha256": payload_digest(tensors),
     }
-    with _locked(path):
-        sweep_stale_temps(path.parent)
-        temp = _temp_name(path)
-        try:
-            save_file(tensors, str(temp), metadata={"snapkv": json.dumps(header)})
-            with open(temp, "rb+") as written:
-                os.fsync(written.fileno())
-            os.replace(temp, path)
-            _fsync_folder(path.parent)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-    return path.stat().st_size
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _locked(path):
+            sweep_stale_temps(path.parent)
+            temp = _temp_name(path)
+            try:
+                save_file(tensors, str(temp), metadata={"snapkv": json.dumps(header)})
+                with open(temp, "rb+") as written:
+                    os.fsync(written.fileno())
+                os.replace(temp, path)
+                _fsync_folder(path.parent)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise
+        return path.stat().st_size
+    except OSError as error:
+        raise StorageError(_write_failure(path, error)) from error
+
+
+def _write_failure(path: Path, error: OSError) -> str:
+    """What a failed write means for the user; the previous file, if any, is untouched either way."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        reason = "the disk is full; free some space"
+    elif error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        reason = "the folder cannot be written; check its permissions or set SNAPKV_HOME to a writable folder"
+    elif error.errno in (errno.ENOTDIR, errno.EEXIST):
+        reason = "a file stands where a folder is needed; move it or set SNAPKV_HOME elsewhere"
+    else:
+        reason = error.strerror or str(error)
+    return f"cannot save the cache to {path}: {reason}. Any earlier file there is intact."
 
 
 # ---------------------------------------------------------------------------------------------- reading

@@ -14,8 +14,8 @@ from snapkv.store import SUFFIX, CacheStore
 
 from .common import (BudgetOption, DeviceOption, DtypeOption, KernelOption, ModelOption, NoCompressOption,
                      PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption,
-                     WindowOption, inert, load_with_status, prepare_with_progress, report, settings_from,
-                     stats_table, stderr_console, stdout_console)
+                     WindowOption, inert, load_file_with_status, load_with_status, prepare_with_progress, report,
+                     settings_from, stats_table, stderr_console, stdout_console)
 
 
 def stream_answer(session: Session, prepared, question: str, *, answer_prefix: str, max_new_tokens: int,
@@ -77,8 +77,7 @@ def ask(
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
                       truncate=truncate)
     if from_file:
-        with err.status("Loading saved cache..."):
-            prepared = session.load_file(source)
+        prepared = load_file_with_status(err, session, source)
     else:
         prepared = prepare_with_progress(err, session, document)
 

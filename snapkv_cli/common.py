@@ -133,6 +133,15 @@ def prepare_with_progress(err: Console, session: Session, document) -> PreparedD
     return prepared
 
 
+def load_file_with_status(err: Console, session: Session, path: str) -> PreparedDocument:
+    """A saved .snapkv cache, with a warning when its source document has changed since."""
+    with err.status("Loading saved cache..."):
+        prepared = session.load_file(path)
+    if prepared.note:
+        err.print("warning: " + inert(prepared.note), markup=False)
+    return prepared
+
+
 def kept_per_question(session: Session, prepared: PreparedDocument) -> int:
     settings = session.settings
     if settings is not None and settings.query_aware:

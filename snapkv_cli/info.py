@@ -3,13 +3,16 @@
 import datetime
 import json
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.table import Table
 
+from snapkv.documents import Source, read_sources, stale_sources
+from snapkv.errors import CacheFileError, IncompatibleCacheError
 from snapkv.store import load_cache, read_metadata
 
-from .common import inert, stderr_console, stdout_console
+from .common import PasswordOption, inert, stderr_console, stdout_console
 
 
 def describe(path: Path) -> dict:
@@ -27,16 +30,38 @@ def describe(path: Path) -> dict:
     }
 
 
+def staleness(data: dict, document: str | None, password: str | None) -> list[str]:
+    """Why the cache no longer matches its document (the one given, else the recorded paths); [] if fresh."""
+    try:
+        recorded = [Source(**source) for source in data.get("sources") or []]
+    except TypeError as error:
+        raise CacheFileError(f"{data['path']}: damaged metadata (sources: {error})") from error
+    given = read_sources(document, password) if document is not None else None
+    return stale_sources(recorded, given)
+
+
 def info(
     file: Path = typer.Argument(..., help="A saved .snapkv cache."),
+    document: Optional[str] = typer.Argument(
+        None, help="The document the cache was made from: check that it has not changed since (exit code 5 "
+                   "when it has). Without it, the source paths recorded in the cache are checked."),
+    password: PasswordOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print the metadata as one JSON object."),
 ) -> None:
-    """Show what a saved cache holds: model, sources, lengths, settings, sizes."""
+    """Show what a saved cache holds: model, sources, lengths, settings, sizes, and whether it is stale."""
     with stderr_console().status("Reading..."):
         data = describe(file)
+        stale = staleness(data, document, password)
+    data["stale"] = stale
     if as_json:
         print(json.dumps(data))
-        return
+    else:
+        show(data)
+    if stale and document is not None:
+        raise IncompatibleCacheError(f"{file} is stale: " + "; ".join(stale) + ". Build a new cache from the document.")
+
+
+def show(data: dict) -> None:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="dim")
     table.add_column(overflow="fold")
@@ -54,4 +79,6 @@ def info(
     producer = data.get("producer", {})
     created = datetime.datetime.fromtimestamp(data.get("created", 0)).strftime("%Y-%m-%d %H:%M")
     table.add_row("made", inert(f"{created} by snapkv {producer.get('snapkv')}, transformers {producer.get('transformers')}"))
+    if data["stale"]:
+        table.add_row("status", inert("STALE: " + "; ".join(data["stale"])))
     stdout_console().print(table)

@@ -19,7 +19,7 @@ from snapkv.store import SUFFIX, CacheStore
 from .ask import stream_answer
 from .common import (BudgetOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PasswordOption,
                      PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption, WindowOption,
-                     load_with_status, prepare_with_progress, report, stats_table, stderr_console,
+                     load_file_with_status, load_with_status, prepare_with_progress, report, stats_table, stderr_console,
                      stdout_console)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
@@ -93,7 +93,8 @@ def repl(
     loaded, model_load_seconds = load_with_status(err, model, device, dtype)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
                       truncate=truncate)
-    prepared = session.load_file(source) if from_file else prepare_with_progress(err, session, document)
+    prepared = (load_file_with_status(err, session, source) if from_file
+                else prepare_with_progress(err, session, document))
     answers = []
     interactive = sys.stdin.isatty()
     err.print(f"{prepared.tokens} tokens ready ({'loaded' if prepared.hit else 'prefilled'}). /help for commands.",

@@ -1,6 +1,8 @@
 """Shared fixtures: tiny models of every supported architecture, built in-process, and the embedded model."""
 
 import os
+import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -89,3 +91,39 @@ def home(embedded_home, tmp_path, monkeypatch):
     (path / "models").symlink_to(embedded_home / "models")
     monkeypatch.setenv("SNAPKV_HOME", str(path))
     return path
+
+
+@pytest.fixture
+def tiny_loaded(embedded):
+    """A tiny random Llama with the embedded model's real tokenizer (ids beyond the tiny vocab are folded)."""
+    from snapkv.models import LoadedModel
+
+    model = build_tiny("llama-gqa")
+    model.resize_token_embeddings(len(embedded.tokenizer))
+    return LoadedModel(model, embedded.tokenizer, "tiny-llama", torch.device("cpu"), torch.float32)
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """Run the snapkv entry point in this process, as a user would in a shell: (exit code, stdout, stderr)."""
+    from snapkv_cli.app import main
+
+    def run(*args) -> CliResult:
+        monkeypatch.setattr(sys, "argv", ["snapkv", *map(str, args)])
+        capsys.readouterr()
+        try:
+            main()
+            code = 0
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else (0 if exit.code is None else 1)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from snapkv.bench import parse_length
-from snapkv.errors import ConfigError
+from snapkv.errors import ConfigError, OutOfMemoryError
 from snapkv_cli.app import app
 
 TINY_SHAPE = Path(__file__).parent.parent / "samples" / "configs" / "tiny-llama.json"
@@ -49,6 +49,6 @@ def test_lengths_past_the_context_are_refused(home):
 
 def test_too_large_a_shape_is_refused_before_allocating(home):
     shape = Path(__file__).parent.parent / "samples" / "configs" / "llama-3.1-8b.json"
-    with pytest.raises(ConfigError, match="GiB"):
+    with pytest.raises(OutOfMemoryError, match="GiB"):
         CliRunner().invoke(app, ["bench", "--random-weights", str(shape), "--dtype", "float32", "--device", "cpu"],
                            catch_exceptions=False)

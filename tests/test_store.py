@@ -23,14 +23,6 @@ from snapkv.store import CacheStore, load_cache, read_metadata, save_cache
 DOCUMENT = Document(" ".join(f"Paragraph {i} tells of rivers, bread and maps." for i in range(40)))
 
 
-@pytest.fixture
-def tiny_loaded(embedded):
-    """A tiny random Llama with the embedded model's real tokenizer (ids beyond the tiny vocab are folded)."""
-    model = build_tiny("llama-gqa")
-    model.resize_token_embeddings(len(embedded.tokenizer))
-    return LoadedModel(model, embedded.tokenizer, "tiny-llama", torch.device("cpu"), torch.float32)
-
-
 def caches_equal(a, b) -> bool:
     return (a.original_length == b.original_length and torch.equal(a.token_ids, b.token_ids)
             and all(torch.equal(x, y) for x, y in zip(a.keys + a.values + a.positions,
