@@ -20,7 +20,7 @@ FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 def measure(method: str, args: argparse.Namespace, results) -> None:
     import torch
 
-    from snapkv.bench import PeakMemory
+    from snapkv.memory import PeakMemory
     from snapkv.config import SnapKVConfig
     from snapkv.generation import answer, prefill
     from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack

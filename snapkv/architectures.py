@@ -81,3 +81,20 @@ def window_queries(
     cos, sin = position_embeddings
     queries, _ = apply_rotary(queries, queries, cos, sin)
     return queries
+
+
+def feed_forward_modules(model: nn.Module) -> list[nn.Module]:
+    """Each decoder layer's MLP (modules named '<layer>.mlp' beside a 'self_attn'), in layer order."""
+    modules = dict(model.named_modules())
+    found = []
+    for layer in attention_layers(model):
+        attention_name = next(name for name, module in modules.items() if module is layer.module)
+        mlp = modules.get(attention_name.removesuffix("self_attn") + "mlp")
+        if mlp is not None:
+            found.append(mlp)
+    return found
+
+
+def layer_devices(model: nn.Module) -> list[torch.device]:
+    """The device each attention layer runs on (several with accelerate's device_map), in layer order."""
+    return [next(layer.module.parameters()).device for layer in attention_layers(model)]

@@ -4,7 +4,6 @@ Measurements only: dataclasses in, dataclasses out, nothing printed.
 """
 
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ from .config import SnapKVConfig
 from .errors import ConfigError
 from .generation import answer, prefill
 from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
-from .memory import check_prefill_fits
+from .memory import PeakMemory, check_prefill_fits
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
 from .store import load_cache, save_cache
@@ -46,8 +45,9 @@ class BenchRow:
     ttft_seconds: float
     decode_ms_per_token: float
     kv_bytes: int               # what is decoded against
-    peak_memory_bytes: int      # growth during prefill (RSS on CPU), CUDA max allocated on GPU
+    peak_memory_bytes: int      # the prefill's: RSS growth on CPU, CUDA max allocated (weights included) on GPU
     needle_found: bool | None   # None when the answer is not meaningful (random weights, extrapolation)
+    answer_peak_memory_bytes: int = 0  # the same for the question pass and decoding
 
 
 @dataclass
@@ -72,63 +72,6 @@ class BenchResult:
     rows: list[BenchRow] = field(default_factory=list)
     followup: FollowUp | None = None
     notes: list[str] = field(default_factory=list)
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed by Python and torch back to the OS, so RSS measures what is really in use.
-
-    Without this, glibc keeps freed blocks mapped: a later measurement in the same process reuses them
-    and its RSS growth reads too small.
-    """
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
-            pass
-
-
-class PeakMemory:
-    """Peak memory of a block: CUDA max allocated, or the most RSS rose above its start (sampled)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.peak = 0
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        import psutil
-
-        release_freed_memory()
-        process = psutil.Process()
-        self._start = self._high = process.memory_info().rss
-        self._stop = threading.Event()
-
-        def sample():
-            while not self._stop.is_set():
-                self._high = max(self._high, process.memory_info().rss)
-                time.sleep(0.002)
-
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            return
-        self._stop.set()
-        self._thread.join()
-        self.peak = self._high - self._start
 
 
 def _sync(device: torch.device) -> None:
@@ -158,14 +101,15 @@ def _measure(loaded: LoadedModel, ids: torch.Tensor, number: str, settings: Snap
         cache = prefill(model, ids, tier)
         _sync(device)
         prefill_seconds = time.perf_counter() - started
-    started = time.perf_counter()
-    stream = answer(model, cache, question, per_question=per_question, max_new_tokens=decode_tokens)
-    tokens = [next(stream)]
-    _sync(device)
-    first = time.perf_counter()
-    tokens += list(stream)
-    _sync(device)
-    ended = time.perf_counter()
+    with PeakMemory(device) as answer_memory:
+        started = time.perf_counter()
+        stream = answer(model, cache, question, per_question=per_question, max_new_tokens=decode_tokens)
+        tokens = [next(stream)]
+        _sync(device)
+        first = time.perf_counter()
+        tokens += list(stream)
+        _sync(device)
+        ended = time.perf_counter()
     text = loaded.tokenizer.decode(tokens)
     kv_bytes = cache.kv_bytes
     if per_question is not None:  # decoded against the per-question cut, not the stored tier
@@ -177,7 +121,7 @@ def _measure(loaded: LoadedModel, ids: torch.Tensor, number: str, settings: Snap
         query_aware=bool(settings and settings.query_aware),
         prefill_seconds=prefill_seconds, ttft_seconds=first - started,
         decode_ms_per_token=1000 * (ended - first) / max(len(tokens) - 1, 1),
-        kv_bytes=kv_bytes, peak_memory_bytes=memory.peak,
+        kv_bytes=kv_bytes, peak_memory_bytes=memory.peak, answer_peak_memory_bytes=answer_memory.peak,
         needle_found=(number in text) if meaningful else None,
     )
     return row, cache
@@ -228,7 +172,7 @@ def _followup(loaded: LoadedModel, cache, settings: SnapKVConfig, reprefill_seco
         path = Path(folder) / "bench.snapkv"
         file_bytes = save_cache(path, cache, {"bench": True})
         started = time.perf_counter()
-        loaded_cache, _ = load_cache(path, device=loaded.device, dtype=loaded.dtype)
+        loaded_cache, _ = load_cache(path, device=loaded.layer_devices, dtype=loaded.dtype)
         load_seconds = time.perf_counter() - started
         started = time.perf_counter()
         next(answer(loaded.model, loaded_cache, question, per_question=per_question, max_new_tokens=1))

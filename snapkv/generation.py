@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 from .architectures import attention_layers
 from .cache import CompressedCache
+from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import SnapKVConfig
 
@@ -80,11 +81,14 @@ def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
 
 @torch.inference_mode()
 def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None,
-            on_layer: Callable[[int, int], None] | None = None) -> CompressedCache:
+            on_layer: Callable[[int, int], None] | None = None,
+            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> CompressedCache:
     """Run the prompt through the model, compressing each layer as it goes (None: keep everything).
 
     context_ids: (n,) token ids. A prompt no longer than the budget is left whole.
     on_layer: progress callback, called with (layers done, layers in all) as each layer finishes.
+    chunk_tokens: the MLPs run over at most this many positions at a time (bounded activations).
+    Each layer's cache stays on that layer's device (several with accelerate's device_map).
     """
     device = _model_device(model)
     n = context_ids.shape[0]
@@ -92,12 +96,13 @@ def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None,
     plan = None
     if compression is not None and n > compression.budget:
         plan = _plan_for(compression, compression.window)
-    with compressing(model, plan) if plan else nullcontext(), _reporting_layers(model, on_layer):
+    with (compressing(model, plan) if plan else nullcontext(), _reporting_layers(model, on_layer),
+          chunked_feed_forward(model, chunk_tokens) if n > chunk_tokens else nullcontext()):
         _next_logits(model, context_ids.to(device).unsqueeze(0), cache)
-    all_positions = torch.arange(n, device=device).unsqueeze(0)  # (1, n)
     positions = []
     for index, layer in enumerate(cache.layers):
         kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
+        all_positions = torch.arange(n, device=layer.keys.device).unsqueeze(0)  # (1, n)
         positions.append(_layer_positions(plan, index, length, all_positions, kv_heads).contiguous())
     return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu())
 

@@ -5,17 +5,21 @@ the one layer running, and that layer's activations (hidden states, attention an
 The model's weights are already loaded when the check runs, so they are not counted again.
 """
 
+import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
+from .chunking import DEFAULT_CHUNK_TOKENS
 from .config import SnapKVConfig
 from .errors import OutOfMemoryError
 
 # Allocator slack and temporaries the formula does not name (fp32 upcasts in norms and softmax, RoPE
-# tables, attention workspaces): `snapkv bench --length 7k` on the embedded model (bf16, CPU) measured a
-# prefill peak RSS growth of 1.75x (full cache) and 2.0x (query-aware tier) the named terms.
-SLACK = 2.0
+# tables, attention workspaces). CPU: `snapkv bench --length 7k` on the embedded model (bf16) measured a
+# prefill peak RSS growth of 1.75x (full cache) and 2.0x (query-aware tier) the named terms. CUDA: the
+# caching allocator wastes less; 1.25 is an assumption until a GPU run measures it (bench JSON has both).
+SLACK = {"cpu": 2.0, "cuda": 1.25}
 # Refuse when the estimate exceeds this share of free memory.
 USABLE_SHARE = 0.9
 
@@ -27,9 +31,11 @@ class PrefillEstimate:
     full_layer_kv_bytes: int     # the one layer whose whole cache exists before its cut
     activation_bytes: int        # hidden states, attention and MLP intermediates of one layer
 
+    slack: float = SLACK["cpu"]
+
     @property
     def total_bytes(self) -> int:
-        return int(SLACK * (self.kv_bytes + self.activation_bytes))
+        return int(self.slack * (self.kv_bytes + self.activation_bytes))
 
 
 def _shape(config) -> dict:
@@ -46,10 +52,12 @@ def _shape(config) -> dict:
     }
 
 
-def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: SnapKVConfig | None) -> PrefillEstimate:
+def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: SnapKVConfig | None,
+                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device_type: str = "cpu") -> PrefillEstimate:
     """Peak memory of prefilling `tokens` tokens, beyond the weights.
 
     tier: the compression applied during prefill (None: every layer keeps its whole cache).
+    chunk_tokens: the MLP slice size prefill uses (snapkv.chunking).
     """
     shape = _shape(config)
     item = torch.empty((), dtype=dtype).element_size()
@@ -58,12 +66,13 @@ def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: SnapKVConfig
     kept = tokens if tier is None else min(tokens, tier.budget)
     kv = (shape["layers"] - 1) * kept * per_token_layer + full_layer
     window = 0 if tier is None else min(tier.window, tokens)
-    activations = tokens * item * (
-        4 * shape["hidden"]                                  # residual, normed input, attention output, sum
-        + 3 * shape["intermediate"]                          # gate, up and their product in the MLP
-        + 2 * shape["heads"] * shape["head_dim"]             # queries and the attention result
-    ) + 4 * window * tokens * shape["heads"] * 2               # fp32 window scores and their pooled copy
-    return PrefillEstimate(tokens, kv, full_layer, activations)
+    activations = (
+        tokens * item * (4 * shape["hidden"]                 # residual, normed input, attention output, sum
+                         + 2 * shape["heads"] * shape["head_dim"])  # queries and the attention result
+        + min(tokens, chunk_tokens) * item * 3 * shape["intermediate"]  # gate, up, product: one MLP slice
+        + 4 * window * tokens * shape["heads"] * 2           # fp32 window scores and their pooled copy
+    )
+    return PrefillEstimate(tokens, kv, full_layer, activations, SLACK.get(device_type, SLACK["cpu"]))
 
 
 def free_bytes(device: torch.device) -> int:
@@ -79,7 +88,7 @@ def free_bytes(device: torch.device) -> int:
 def check_prefill_fits(model, tokens: int, device: torch.device, dtype: torch.dtype,
                        tier: SnapKVConfig | None) -> PrefillEstimate:
     """Refuse, before any work, a prefill that cannot fit in free memory (OutOfMemoryError, with the numbers)."""
-    estimate = estimate_prefill(model.config, tokens, dtype, tier)
+    estimate = estimate_prefill(model.config, tokens, dtype, tier, device_type=device.type)
     free = free_bytes(device)
     if estimate.total_bytes > USABLE_SHARE * free:
         gib = 2**30
@@ -87,7 +96,7 @@ def check_prefill_fits(model, tokens: int, device: torch.device, dtype: torch.dt
             f"prefilling {tokens} tokens needs about {estimate.total_bytes / gib:.2f} GiB beyond the model's "
             f"weights (KV cache {estimate.kv_bytes / gib:.2f} GiB, of which one layer's full cache "
             f"{estimate.full_layer_kv_bytes / gib:.2f} GiB; activations {estimate.activation_bytes / gib:.2f} GiB; "
-            f"x{SLACK} for allocator slack), and {free / gib:.2f} GiB is free on {device}. Use a shorter document "
+            f"x{estimate.slack} for allocator slack), and {free / gib:.2f} GiB is free on {device}. Use a shorter document "
             "(--truncate), compress during prefill (--no-query-aware or a smaller budget), or another device."
         )
     return estimate
@@ -103,3 +112,71 @@ def release_device_memory(device: torch.device) -> None:
     """After a failed allocation: give cached CUDA blocks back so the process can go on."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by Python and torch back to the OS, so RSS measures what is really in use.
+
+    Without this, glibc keeps freed blocks mapped: a later measurement in the same process reuses them
+    and its RSS growth reads too small.
+    """
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name:
+        try:
+            ctypes.CDLL(name).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to trim
+            pass
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count()))
+
+
+class PeakMemory:
+    """Peak memory of a block (one phase: prefill, an answer).
+
+    CUDA: torch.cuda.max_memory_allocated during the block, summed over the GPUs (a model spread with
+    device_map uses several), weights included. CPU: the most the process's RSS rose above its start
+    (sampled every 2 ms), so the weights already loaded are not counted.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            for index in _cuda_devices():
+                torch.cuda.synchronize(index)
+                torch.cuda.reset_peak_memory_stats(index)
+            return self
+        import psutil
+
+        release_freed_memory()
+        process = psutil.Process()
+        self._start = self._high = process.memory_info().rss
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                self._high = max(self._high, process.memory_info().rss)
+                time.sleep(0.002)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            for index in _cuda_devices():
+                torch.cuda.synchronize(index)
+            self.peak = sum(torch.cuda.max_memory_allocated(index) for index in _cuda_devices())
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = self._high - self._start

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import fingerprint
-from .architectures import check_supported, text_config
+from .architectures import check_supported, layer_devices, text_config
 from .errors import ConfigError, ModelNotFoundError, OutOfMemoryError, SnapKVError
 from .memory import USABLE_SHARE, free_bytes
 from .paths import models_dir
@@ -52,6 +52,11 @@ class LoadedModel:
                 "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
             }
         return self._identity
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        """Where each layer's cache lives: its attention layer's device (several with a device_map)."""
+        return layer_devices(self.model)
 
     @property
     def context_length(self) -> int:
@@ -195,19 +200,30 @@ def pick_attention(device: torch.device) -> str:
     return "sdpa"
 
 
-def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto") -> LoadedModel:
-    """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message."""
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto",
+               device_map: str | None = None) -> LoadedModel:
+    """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message.
+
+    device_map: spread the layers over the GPUs (and CPU) with accelerate ("auto", "balanced", ...), for
+    models larger than one device; each layer's cache then lives on that layer's device.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise ConfigError(f"unknown device map {device_map!r}: use {', '.join(DEVICE_MAPS)}")
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
     name, source = resolve_model_source(spec)
     transformers_logging.disable_progress_bar()  # loading takes seconds; its per-tensor bar is noise
+    placement = {"device_map": device_map} if device_map else {}
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=pick_attention(torch_device)
+            source, dtype=torch_dtype, attn_implementation=pick_attention(torch_device), **placement
         )
     except OSError as error:
         raise ModelNotFoundError(
@@ -215,7 +231,11 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
             f"(snapkv does not download models): {error}"
         ) from error
     check_supported(model)
-    model.to(torch_device).eval()
+    if device_map:
+        torch_device = model.get_input_embeddings().weight.device  # where prompts enter the model
+    else:
+        model.to(torch_device)
+    model.eval()
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype)
 
 

@@ -15,7 +15,7 @@ from .config import SnapKVConfig
 from .documents import Document, Source, stale_sources
 from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
 from .generation import Sampling, answer, prefill
-from .memory import check_prefill_fits, is_out_of_memory, release_device_memory
+from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
 from .store import CacheStore, cache_key, load_cache, save_cache
@@ -37,6 +37,7 @@ class PreparedDocument:
     save_seconds: float = 0.0
     file_bytes: int = 0
     note: str = ""                   # something the user should hear about, e.g. a damaged entry rebuilt
+    prefill_peak_bytes: int = 0      # PeakMemory of the prefill (0 when loaded from a file)
 
     @property
     def tokens(self) -> int:
@@ -50,6 +51,7 @@ class AnswerResult:
     new_tokens: int
     ttft_seconds: float
     decode_seconds: float
+    peak_bytes: int = 0  # PeakMemory of the answer: question pass and decoding
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -89,16 +91,17 @@ class AnswerStream:
         first_token_at = None
         tokens: list[int] = []
         shown = ""
-        for token in answer(loaded.model, self._prepared.cache, ids, per_question=per_question,
-                            max_new_tokens=max_new_tokens, stop_ids=loaded.stop_ids,
-                            sampling=self._sampling):
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            tokens.append(token)
-            text = tokenizer.decode(tokens, skip_special_tokens=True)
-            if not text.endswith("\ufffd") and len(text) > len(shown):  # wait for whole characters
-                yield text[len(shown):]
-                shown = text
+        with PeakMemory(loaded.device) as memory:
+            for token in answer(loaded.model, self._prepared.cache, ids, per_question=per_question,
+                                max_new_tokens=max_new_tokens, stop_ids=loaded.stop_ids,
+                                sampling=self._sampling):
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                tokens.append(token)
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                if not text.endswith("\ufffd") and len(text) > len(shown):  # wait for whole characters
+                    yield text[len(shown):]
+                    shown = text
         ended = time.perf_counter()
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if len(text) > len(shown):
@@ -106,7 +109,7 @@ class AnswerStream:
         first_token_at = first_token_at or ended
         self.result = AnswerResult(
             question=self.question, text=text, new_tokens=len(tokens),
-            ttft_seconds=first_token_at - started, decode_seconds=ended - first_token_at,
+            ttft_seconds=first_token_at - started, decode_seconds=ended - first_token_at, peak_bytes=memory.peak,
         )
 
 
@@ -202,7 +205,8 @@ class Session:
         check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, tier)
         started = time.perf_counter()
         try:
-            cache = prefill(loaded.model, ids, tier, on_layer=self.on_layer)
+            with PeakMemory(loaded.device) as memory:
+                cache = prefill(loaded.model, ids, tier, on_layer=self.on_layer)
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -212,7 +216,8 @@ class Session:
                 "nothing was saved. Use a shorter document (--truncate), a smaller budget with --no-query-aware, "
                 "or another device."
             ) from error
-        prepared = PreparedDocument(document, cache, prefill_seconds=time.perf_counter() - started, note=note)
+        prepared = PreparedDocument(document, cache, prefill_seconds=time.perf_counter() - started, note=note,
+                                    prefill_peak_bytes=memory.peak)
         if self.store is not None:
             try:
                 self.save(prepared, self.store.path_for(key))
@@ -232,7 +237,7 @@ class Session:
         check_sources: note (in .note) when a recorded source file has changed since the cache was made.
         """
         started = time.perf_counter()
-        cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.device,
+        cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.layer_devices,
                                      dtype=self.loaded.dtype, verify=self.verify)
         try:
             sources = [Source(**source) for source in metadata.get("sources") or []]

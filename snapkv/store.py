@@ -260,11 +260,14 @@ def _validate_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
             raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
 
 
-def load_cache(path: Path, *, identity: dict | None = None, device: torch.device | str = "cpu",
+def load_cache(path: Path, *, identity: dict | None = None,
+               device: torch.device | str | list[torch.device] = "cpu",
                dtype: torch.dtype | None = None, verify: bool = True) -> tuple[CompressedCache, dict]:
     """Read and validate a saved cache; refuse (CacheFileError / IncompatibleCacheError) what does not fit.
 
     identity: the model in use (LoadedModel.identity); None skips the model checks (for `info`).
+    device:   one device for every layer, or one per layer (LoadedModel.layer_devices): a file saved
+              from any layout loads into any other.
     verify:   check the payload digest (reads every byte; skip only for very large trusted files).
     """
     from safetensors.torch import load_file
@@ -281,10 +284,13 @@ def load_cache(path: Path, *, identity: dict | None = None, device: torch.device
         raise CacheFileError(f"{path}: damaged cache (its contents do not match their digest); delete it and rebuild")
     _validate_tensors(path, tensors, metadata, identity)
     layers = metadata["num_layers"]
+    devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
+    if len(devices) != layers:
+        raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")
     cache = CompressedCache(
-        keys=[tensors[f"layers.{i}.keys"].to(device=device, dtype=dtype) for i in range(layers)],
-        values=[tensors[f"layers.{i}.values"].to(device=device, dtype=dtype) for i in range(layers)],
-        positions=[tensors[f"layers.{i}.positions"].to(device=device, dtype=torch.int64) for i in range(layers)],
+        keys=[tensors[f"layers.{i}.keys"].to(device=devices[i], dtype=dtype) for i in range(layers)],
+        values=[tensors[f"layers.{i}.values"].to(device=devices[i], dtype=dtype) for i in range(layers)],
+        positions=[tensors[f"layers.{i}.positions"].to(device=devices[i], dtype=torch.int64) for i in range(layers)],
         original_length=metadata["original_length"],
         token_ids=tensors["token_ids"].to(torch.int64),
     )

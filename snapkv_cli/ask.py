@@ -12,7 +12,7 @@ from snapkv.generation import Sampling
 from snapkv.session import AnswerResult, Session
 from snapkv.store import SUFFIX, CacheStore
 
-from .common import (BudgetOption, DeviceOption, DtypeOption, KernelOption, ModelOption, NoCompressOption,
+from .common import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption, NoCompressOption,
                      PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption,
                      WindowOption, inert, load_file_with_status, load_with_status, prepare_with_progress, report,
                      settings_from, stats_table, stderr_console, stdout_console)
@@ -55,6 +55,7 @@ def ask(
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     answer_prefix: str = typer.Option("", help="Text that starts each answer (small models follow it well)."),
     device: DeviceOption = "auto",
+    device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout; progress goes to stderr."),
@@ -73,7 +74,7 @@ def ask(
     with err.status("Reading documents..."):
         document = None if from_file else read_sources(source, password)
     ingest_seconds = time.perf_counter() - started
-    loaded, model_load_seconds = load_with_status(err, model, device, dtype)
+    loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
                       truncate=truncate)
     if from_file:

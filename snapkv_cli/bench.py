@@ -20,14 +20,16 @@ FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 
 def _table(result: BenchResult) -> Table:
     table = Table(title=f"{result.model} on {result.device}, {result.dtype}")
-    for column in ("length", "method", "budget", "prefill s", "TTFT s", "decode ms/tok", "KV MiB", "peak MiB", "needle"):
+    kind = "CUDA peak" if result.device.startswith("cuda") else "RSS+"
+    for column in ("length", "method", "budget", "prefill s", "TTFT s", "decode ms/tok", "KV MiB",
+                   f"prefill {kind} MiB", f"answer {kind} MiB", "needle"):
         table.add_column(column, justify="right")
     for row in result.rows:
         needle = "-" if row.needle_found is None else ("found" if row.needle_found else "missed")
         method = row.method + ("-qa" if row.query_aware else "")
         table.add_row(str(row.length), method, str(row.budget or "-"), f"{row.prefill_seconds:.2f}",
                       f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}", f"{row.kv_bytes / 2**20:.1f}",
-                      f"{row.peak_memory_bytes / 2**20:.0f}", needle)
+                      f"{row.peak_memory_bytes / 2**20:.0f}", f"{row.answer_peak_memory_bytes / 2**20:.0f}", needle)
     return table
 
 

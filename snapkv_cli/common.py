@@ -31,6 +31,9 @@ QueryAwareOption = Annotated[bool, typer.Option(
          "window. Otherwise compress once at prefill with the document's tail as the window.")]
 NoCompressOption = Annotated[bool, typer.Option("--no-compress", help="Keep the full cache (the baseline).")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
+DeviceMapOption = Annotated[Optional[str], typer.Option(
+    help="Spread a model too large for one GPU over several with accelerate: auto, balanced or sequential. "
+         "Each layer's cache stays on that layer's device.")]
 DtypeOption = Annotated[str, typer.Option(
     help="auto (bf16 on GPU and on CPUs with bf16 units, else fp32), float32, bfloat16 or float16.")]
 PasswordOption = Annotated[Optional[str], typer.Option(help="Password of an encrypted PDF.")]
@@ -88,14 +91,15 @@ def stdout_console() -> Console:
 
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
+        return sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def load_with_status(err: Console, model: str | None, device: str, dtype: str) -> tuple[LoadedModel, float]:
+def load_with_status(err: Console, model: str | None, device: str, dtype: str,
+                     device_map: str | None = None) -> tuple[LoadedModel, float]:
     with err.status("Loading model..."):
         started = time.perf_counter()
-        loaded = load_model(model, device=device, dtype=dtype)
+        loaded = load_model(model, device=device, dtype=dtype, device_map=device_map)
     return loaded, time.perf_counter() - started
 
 
@@ -177,7 +181,10 @@ def report(session: Session, prepared: PreparedDocument, answers: list[AnswerRes
                   "bytes": prepared.file_bytes, "load_seconds": round(prepared.load_seconds, 4),
                   "save_seconds": round(prepared.save_seconds, 4)},
         "timings": {k: round(v, 4) for k, v in {**timings, "prefill_seconds": prepared.prefill_seconds}.items()},
-        "memory": {"peak_bytes": peak_memory_bytes(loaded.device), "device": str(loaded.device)},
+        "memory": {"peak_bytes": peak_memory_bytes(loaded.device), "device": str(loaded.device),
+                   # per phase: CUDA max allocated (weights included) / CPU RSS growth during the phase
+                   "prefill_peak_bytes": prepared.prefill_peak_bytes,
+                   "answer_peak_bytes": max((a.peak_bytes for a in answers), default=0)},
         "model": {"name": loaded.name, "context_length": loaded.context_length},
     }
 
@@ -206,6 +213,12 @@ def stats_table(data: dict) -> Table:
         table.add_row("answer", f"first token {answer['ttft_seconds']:.2f} s, "
                                 f"{answer['decode_tokens_per_second']:.1f} tokens/s, {answer['new_tokens']} tokens")
     memory = data["memory"]
-    kind = "CUDA max allocated" if memory["device"].startswith("cuda") else "RSS"
-    table.add_row("peak memory", f"{_mib(memory['peak_bytes'])} {kind}")
+    if memory["device"].startswith("cuda"):
+        phases = f"prefill {_mib(memory['prefill_peak_bytes'])}, " if not cache["hit"] else ""
+        table.add_row("peak memory", f"{_mib(memory['peak_bytes'])} CUDA max allocated "
+                                     f"({phases}answers {_mib(memory['answer_peak_bytes'])})")
+    else:
+        phases = f"prefill +{_mib(memory['prefill_peak_bytes'])}, " if not cache["hit"] else ""
+        table.add_row("peak memory", f"{_mib(memory['peak_bytes'])} RSS ({phases}answers "
+                                     f"+{_mib(memory['answer_peak_bytes'])})")
     return table

@@ -11,7 +11,7 @@ from snapkv.errors import CacheFileError, ConfigError
 from snapkv.session import Session
 from snapkv.store import SUFFIX, read_metadata
 
-from .common import (BudgetOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PasswordOption,
+from .common import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PasswordOption,
                      PoolingOption, TruncateOption, WindowOption, load_with_status, prepare_with_progress,
                      stderr_console)
 
@@ -31,6 +31,7 @@ def compress(
     store_budget: Optional[int] = typer.Option(None, help="With --query-aware: positions kept in the saved tier."),
     truncate: TruncateOption = None,
     device: DeviceOption = "auto",
+    device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
 ) -> None:
@@ -47,7 +48,7 @@ def compress(
     err = stderr_console()
     with err.status("Reading documents..."):
         document = read_sources(source, password)
-    loaded, _ = load_with_status(err, model, device, dtype)
+    loaded, _ = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, truncate=truncate)
     prepared = prepare_with_progress(err, session, document)
     with err.status("Saving..."):

@@ -17,7 +17,7 @@ from snapkv.session import Session
 from snapkv.store import SUFFIX, CacheStore
 
 from .ask import stream_answer
-from .common import (BudgetOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PasswordOption,
+from .common import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PasswordOption,
                      PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption, WindowOption,
                      load_file_with_status, load_with_status, prepare_with_progress, report, stats_table, stderr_console,
                      stdout_console)
@@ -79,6 +79,7 @@ def repl(
     max_new_tokens: int = typer.Option(256, min=1, help="Longest answer, in tokens."),
     answer_prefix: str = typer.Option("", help="Text that starts each answer."),
     device: DeviceOption = "auto",
+    device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
 ) -> None:
@@ -90,7 +91,7 @@ def repl(
     settings = SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling, query_aware=query_aware)
     from_file = source.endswith(SUFFIX)
     document = None if from_file else read_sources(source, password)
-    loaded, model_load_seconds = load_with_status(err, model, device, dtype)
+    loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
                       truncate=truncate)
     prepared = (load_file_with_status(err, session, source) if from_file

@@ -35,6 +35,7 @@ def test_random_weights_bench_json_and_plot(home, tmp_path):
     for row in rows:
         assert row["needle_found"] is None  # random weights: not meaningful
         assert row["prefill_seconds"] > 0 and row["decode_ms_per_token"] > 0
+        assert row["peak_memory_bytes"] >= 0 and row["answer_peak_memory_bytes"] >= 0
     full, small = rows[3], rows[4]
     assert small["kv_bytes"] < full["kv_bytes"]
     assert data["followup"]["length"] == 1200 and data["followup"]["speedup"] > 0
@@ -52,3 +53,19 @@ def test_too_large_a_shape_is_refused_before_allocating(home):
     with pytest.raises(OutOfMemoryError, match="GiB"):
         CliRunner().invoke(app, ["bench", "--random-weights", str(shape), "--dtype", "float32", "--device", "cpu"],
                            catch_exceptions=False)
+
+
+def test_peak_memory_sees_each_block_in_one_process():
+    """Two equal allocations measured one after the other both read their full size: memory freed by the
+    first is handed back before the second is measured."""
+    import torch
+
+    from snapkv.memory import PeakMemory
+
+    peaks = []
+    for _ in range(2):
+        with PeakMemory(torch.device("cpu")) as memory:
+            blocks = [torch.ones(256 * 1024) for _ in range(300)]  # 300 blocks of 1 MiB
+        del blocks
+        peaks.append(memory.peak / 2**20)
+    assert all(peak >= 0.9 * 300 for peak in peaks), peaks
