@@ -158,7 +158,7 @@ class PeakMemory:
         import psutil
 
         release_freed_memory()
-        process = psutil.Process()
+        process = self._process = psutil.Process()
         self._start = self._high = process.memory_info().rss
         self._stop = threading.Event()
 
@@ -179,4 +179,5 @@ class PeakMemory:
             return
         self._stop.set()
         self._thread.join()
+        self._high = max(self._high, self._process.memory_info().rss)  # the end state, however short the block
         self.peak = self._high - self._start
