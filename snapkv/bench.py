@@ -3,6 +3,7 @@
 Measurements only: dataclasses in, dataclasses out, nothing printed.
 """
 
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -88,50 +89,79 @@ def haystack_prompt(loaded: LoadedModel, filler: str, length: int) -> tuple[torc
     return context_ids(tokenizer, body), haystack.number
 
 
-def _measure(loaded: LoadedModel, ids: torch.Tensor, number: str, settings: SnapKVConfig | None,
-             decode_tokens: int, meaningful: bool):
-    model, device = loaded.model, loaded.device
-    question = question_ids(loaded.tokenizer, NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
+@dataclass
+class _Method:
+    """One column of the comparison at one length: its settings, its cache, and its timings so far."""
+
+    settings: SnapKVConfig | None
+    cache: object = None
+    prefill_seconds: float = 0.0
+    prefill_peak: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    decode_ms: list[float] = field(default_factory=list)
+    answer_peak: int = 0
+    text: str = ""
+
+
+def _prefill_phase(loaded: LoadedModel, ids: torch.Tensor, method: _Method) -> None:
+    settings = method.settings
     tier = settings.stored_tier if settings is not None else None
+    check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, tier)
+    with PeakMemory(loaded.device) as memory:
+        _sync(loaded.device)
+        started = time.perf_counter()
+        method.cache = prefill(loaded.model, ids, tier)
+        _sync(loaded.device)
+        method.prefill_seconds = time.perf_counter() - started
+    method.prefill_peak = memory.peak
+
+
+def _answer_phase(loaded: LoadedModel, method: _Method, question: torch.Tensor, decode_tokens: int) -> None:
+    settings = method.settings
     per_question = settings if settings is not None and settings.query_aware else None
-    check_prefill_fits(model, ids.shape[0], device, loaded.dtype, tier)
+    device = loaded.device
     with PeakMemory(device) as memory:
-        _sync(device)
         started = time.perf_counter()
-        cache = prefill(model, ids, tier)
-        _sync(device)
-        prefill_seconds = time.perf_counter() - started
-    with PeakMemory(device) as answer_memory:
-        started = time.perf_counter()
-        stream = answer(model, cache, question, per_question=per_question, max_new_tokens=decode_tokens)
+        stream = answer(loaded.model, method.cache, question, per_question=per_question, max_new_tokens=decode_tokens)
         tokens = [next(stream)]
         _sync(device)
         first = time.perf_counter()
         tokens += list(stream)
         _sync(device)
         ended = time.perf_counter()
-    text = loaded.tokenizer.decode(tokens)
+    method.ttfts.append(first - started)
+    method.decode_ms.append(1000 * (ended - first) / max(len(tokens) - 1, 1))
+    method.answer_peak = max(method.answer_peak, memory.peak)
+    method.text = loaded.tokenizer.decode(tokens)
+
+
+def _row(length: int, method: _Method, question: torch.Tensor, number: str, meaningful: bool) -> BenchRow:
+    settings, cache = method.settings, method.cache
     kv_bytes = cache.kv_bytes
-    if per_question is not None:  # decoded against the per-question cut, not the stored tier
+    if settings is not None and settings.query_aware:  # decoded against the per-question cut, not the tier
         kept = min(cache.kept_tokens, settings.budget - settings.window + question.shape[0])
         kv_bytes = cache.kv_bytes * kept // max(cache.kept_tokens, 1)
-    row = BenchRow(
-        length=ids.shape[0], method="full" if settings is None else "snapkv",
+    return BenchRow(
+        length=length, method="full" if settings is None else "snapkv",
         budget=None if settings is None else settings.budget,
         query_aware=bool(settings and settings.query_aware),
-        prefill_seconds=prefill_seconds, ttft_seconds=first - started,
-        decode_ms_per_token=1000 * (ended - first) / max(len(tokens) - 1, 1),
-        kv_bytes=kv_bytes, peak_memory_bytes=memory.peak, answer_peak_memory_bytes=answer_memory.peak,
-        needle_found=(number in text) if meaningful else None,
+        prefill_seconds=method.prefill_seconds, ttft_seconds=statistics.median(method.ttfts),
+        decode_ms_per_token=statistics.median(method.decode_ms),
+        kv_bytes=kv_bytes, peak_memory_bytes=method.prefill_peak, answer_peak_memory_bytes=method.answer_peak,
+        needle_found=(number in method.text) if meaningful else None,
     )
-    return row, cache
 
 
 def run_bench(loaded: LoadedModel, filler: str, lengths: list[int], budgets: list[int], *, window: int = 32,
               kernel: int = 15, pooling: str = "max", query_aware: bool = True, decode_tokens: int = 32,
-              allow_extrapolation: bool = False, random_weights: bool = False, followup: bool = True,
-              on_row=None) -> BenchResult:
-    """For each length: the full cache, then SnapKV at each budget, in this one process."""
+              repeats: int = 3, allow_extrapolation: bool = False, random_weights: bool = False,
+              followup: bool = True, on_row=None) -> BenchResult:
+    """For each length: the full cache and SnapKV at each budget, in this one process.
+
+    Each method is prefilled once; then the answers (first token and decode) are timed `repeats` times,
+    taking the methods in turn each round, and the medians reported, so that a slow spell on a shared
+    machine does not land on one method only. A short warm-up prefill comes first.
+    """
     context = loaded.context_length
     too_long = [n for n in lengths if context and n > context]
     if too_long and not allow_extrapolation:
@@ -140,27 +170,34 @@ def run_bench(loaded: LoadedModel, filler: str, lengths: list[int], budgets: lis
             "Pass --allow-extrapolation to measure speed and memory anyway (answers are then not meaningful), "
             "or use a model with a longer context."
         )
+    if repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, not {repeats}")
     result = BenchResult(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""))
     if random_weights:
         result.notes.append("random weights: the answers, and so needle_found, are meaningless")
     if too_long:
         result.notes.append(f"lengths past the model's {context} tokens: needle_found is not meaningful there")
+    question = question_ids(loaded.tokenizer, NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
+    prefill(loaded.model, haystack_prompt(loaded, filler, min(256, min(lengths)))[0], None)  # warm-up
     for length in lengths:
         ids, number = haystack_prompt(loaded, filler, length)
         meaningful = not random_weights and not (context and length > context)
-        full_row, _ = _measure(loaded, ids, number, None, decode_tokens, meaningful)
-        result.rows.append(full_row)
-        if on_row:
-            on_row(full_row)
-        for budget in budgets:
-            settings = SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling,
-                                    query_aware=query_aware)
-            row, cache = _measure(loaded, ids, number, settings, decode_tokens, meaningful)
+        methods = [_Method(None)] + [
+            _Method(SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling,
+                                 query_aware=query_aware)) for budget in budgets]
+        for method in methods:
+            _prefill_phase(loaded, ids, method)
+        for _ in range(repeats):
+            for method in methods:
+                _answer_phase(loaded, method, question, decode_tokens)
+        for method in methods:
+            row = _row(ids.shape[0], method, question, number, meaningful)
             result.rows.append(row)
             if on_row:
                 on_row(row)
-            if followup and length == lengths[-1] and budget == budgets[0]:
-                result.followup = _followup(loaded, cache, settings, full_row.prefill_seconds)
+        if followup and length == lengths[-1]:
+            full, first = methods[0], methods[1]
+            result.followup = _followup(loaded, first.cache, first.settings, full.prefill_seconds)
     return result
 
 

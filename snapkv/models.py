@@ -239,11 +239,12 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype)
 
 
-def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto") -> LoadedModel:
+def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto",
+                         tokenizer: str | None = None) -> LoadedModel:
     """A model of a real shape (a config.json) with random weights, for speed and memory only.
 
-    The embedded model's tokenizer makes its prompts; answers are meaningless. Refused before any
-    allocation when the weights alone would not fit in free memory.
+    tokenizer: a folder with tokenizer files to make the prompts; default the embedded model's. Answers
+    are meaningless. Refused before any allocation when the weights alone would not fit in free memory.
     """
     import json
 
@@ -272,5 +273,8 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
                                                  attn_implementation=pick_attention(torch_device))
     check_supported(model)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(None)[1])
-    return LoadedModel(model, tokenizer, f"{path.stem} (random weights)", torch_device, torch_dtype)
+    try:
+        tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1])
+    except OSError as error:
+        raise ModelNotFoundError(f"tokenizer {tokenizer!r}: not a folder of tokenizer files ({error})") from error
+    return LoadedModel(model, tokens, f"{path.stem} (random weights)", torch_device, torch_dtype)

@@ -59,11 +59,15 @@ def bench(
     random_weights: Optional[Path] = typer.Option(
         None, help="A config.json of a real model shape (see samples/configs/) built with random weights: speed "
                    "and memory at lengths no real weights are at hand for; answers are meaningless."),
+    tokenizer: Optional[Path] = typer.Option(
+        None, help="With --random-weights: a folder of tokenizer files for the prompts (default: the embedded "
+                   "model's)."),
     window: WindowOption = 32,
     kernel: KernelOption = 15,
     pooling: PoolingOption = "max",
     query_aware: QueryAwareOption = True,
     decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded to time decode speed."),
+    repeats: int = typer.Option(3, min=1, help="Answers timed per method, in turn; the medians are reported."),
     allow_extrapolation: bool = typer.Option(False, help="Allow lengths past the model's context (speed and memory only)."),
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
@@ -76,13 +80,15 @@ def bench(
     err = stderr_console()
     if random_weights is not None:
         with err.status("Building a random-weights model..."):
-            loaded = random_weights_model(str(random_weights), device=device, dtype=dtype)
+            loaded = random_weights_model(str(random_weights), device=device, dtype=dtype,
+                                          tokenizer=str(tokenizer) if tokenizer else None)
         err.print("note: random weights: answers are meaningless; speed and memory are real", markup=False)
     else:
         loaded, _ = load_with_status(err, model, device, dtype)
     with err.status("Measuring...") as status:
         result = run_bench(loaded, FILLER.read_text(encoding="utf-8"), lengths, budgets, window=window,
                            kernel=kernel, pooling=pooling, query_aware=query_aware, decode_tokens=decode_tokens,
+                           repeats=repeats,
                            allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
                            on_row=lambda row: status.update(f"Measured {row.method} at {row.length} tokens..."))
     if plot is not None:
