@@ -54,7 +54,7 @@ def main() -> None:
         row["estimate_bytes"] = estimate.total_bytes
         ids = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(length))
         try:
-            with PeakMemory(loaded.device) as memory:
+            with PeakMemory(loaded.device, release=True) as memory:
                 started = time.perf_counter()
                 cache = prefill(loaded.model, ids, settings)
                 if loaded.device.type == "cuda":

@@ -44,7 +44,7 @@ def measure(method: str, args: argparse.Namespace, results) -> None:
     peak_growth = []
     for _ in range(args.repeats):
         cache = None
-        with PeakMemory(loaded.device) as memory:
+        with PeakMemory(loaded.device, release=True) as memory:
             started = time.perf_counter()
             cache = prefill(model, ids, tier)
             prefill_seconds.append(time.perf_counter() - started)

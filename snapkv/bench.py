@@ -107,7 +107,7 @@ def _prefill_phase(loaded: LoadedModel, ids: torch.Tensor, method: _Method) -> N
     settings = method.settings
     tier = settings.stored_tier if settings is not None else None
     check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, tier)
-    with PeakMemory(loaded.device) as memory:
+    with PeakMemory(loaded.device, release=True) as memory:
         _sync(loaded.device)
         started = time.perf_counter()
         method.cache = prefill(loaded.model, ids, tier)
@@ -120,7 +120,7 @@ def _answer_phase(loaded: LoadedModel, method: _Method, question: torch.Tensor, 
     settings = method.settings
     per_question = settings if settings is not None and settings.query_aware else None
     device = loaded.device
-    with PeakMemory(device) as memory:
+    with PeakMemory(device, release=True) as memory:
         started = time.perf_counter()
         stream = answer(loaded.model, method.cache, question, per_question=per_question, max_new_tokens=decode_tokens)
         tokens = [next(stream)]

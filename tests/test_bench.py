@@ -59,7 +59,7 @@ MEASURE_TWICE = """
 import torch
 from snapkv.memory import PeakMemory
 for _ in range(2):
-    with PeakMemory(torch.device("cpu")) as memory:
+    with PeakMemory(torch.device("cpu"), release=True) as memory:
         blocks = [torch.ones(256 * 1024) for _ in range(300)]  # 300 blocks of 1 MiB
     del blocks
     print(memory.peak / 2**20)
