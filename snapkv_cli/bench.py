@@ -12,8 +12,8 @@ from rich.table import Table
 from snapkv.bench import BenchResult, parse_length, run_bench
 from snapkv.models import random_weights_model
 
-from .common import (DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption, QueryAwareOption,
-                     WindowOption, int_list, load_with_status, pyplot, stderr_console, stdout_console)
+from .common import (DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption,
+                     QueryAwareOption, WindowOption, int_list, load_with_status, pyplot, stderr_console, stdout_console)
 
 FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 
@@ -70,6 +70,7 @@ def bench(
     repeats: int = typer.Option(3, min=1, help="Answers timed per method, in turn; the medians are reported."),
     allow_extrapolation: bool = typer.Option(False, help="Allow lengths past the model's context (speed and memory only)."),
     device: DeviceOption = "auto",
+    device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG of decode time and KV memory against length."),
@@ -84,7 +85,7 @@ def bench(
                                           tokenizer=str(tokenizer) if tokenizer else None)
         err.print("note: random weights: answers are meaningless; speed and memory are real", markup=False)
     else:
-        loaded, _ = load_with_status(err, model, device, dtype)
+        loaded, _ = load_with_status(err, model, device, dtype, device_map)
     with err.status("Measuring...") as status:
         result = run_bench(loaded, FILLER.read_text(encoding="utf-8"), lengths, budgets, window=window,
                            kernel=kernel, pooling=pooling, query_aware=query_aware, decode_tokens=decode_tokens,
