@@ -12,13 +12,13 @@ import torch
 
 from .cache import CompressedCache
 from .config import SnapKVConfig
-from .documents import Document, Source, stale_sources
+from .documents import Document, stale_sources
 from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
 from .generation import Sampling, answer, prefill
 from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
 from .models import LoadedModel
 from .prompting import context_ids, document_ids, question_ids
-from .store import CacheStore, cache_key, load_cache, save_cache
+from .store import CacheStore, cache_key, load_cache, recorded_sources, save_cache
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
@@ -239,10 +239,7 @@ class Session:
         started = time.perf_counter()
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.layer_devices,
                                      dtype=self.loaded.dtype, verify=self.verify)
-        try:
-            sources = [Source(**source) for source in metadata.get("sources") or []]
-        except TypeError as error:
-            raise CacheFileError(f"{path}: damaged metadata (sources: {error})") from error
+        sources = recorded_sources(path, metadata)
         stale = stale_sources(sources) if check_sources else []
         note = ("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "
                 "build a new cache from the document.") if stale else ""

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from .cache import CompressedCache
+from .documents import Source
 from .errors import CacheFileError, IncompatibleCacheError, SnapKVError, StorageError
 from .paths import snapkv_home
 
@@ -303,6 +304,14 @@ def load_cache(path: Path, *, identity: dict | None = None,
         token_ids=tensors["token_ids"].to(torch.int64),
     )
     return cache, metadata
+
+
+def recorded_sources(path: Path, metadata: dict) -> list[Source]:
+    """The documents a saved cache was made from, as its metadata records them."""
+    try:
+        return [Source(**source) for source in metadata.get("sources") or []]
+    except TypeError as error:
+        raise CacheFileError(f"{path}: damaged metadata (sources: {error})") from error
 
 
 # ---------------------------------------------------------------------------------------------- the store

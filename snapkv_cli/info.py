@@ -8,9 +8,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from snapkv.documents import Source, read_sources, stale_sources
-from snapkv.errors import CacheFileError, IncompatibleCacheError
-from snapkv.store import load_cache, read_metadata
+from snapkv.documents import read_sources, stale_sources
+from snapkv.errors import IncompatibleCacheError
+from snapkv.store import load_cache, read_metadata, recorded_sources
 
 from .common import PasswordOption, inert, stderr_console, stdout_console
 
@@ -32,10 +32,7 @@ def describe(path: Path) -> dict:
 
 def staleness(data: dict, document: str | None, password: str | None) -> list[str]:
     """Why the cache no longer matches its document (the one given, else the recorded paths); [] if fresh."""
-    try:
-        recorded = [Source(**source) for source in data.get("sources") or []]
-    except TypeError as error:
-        raise CacheFileError(f"{data['path']}: damaged metadata (sources: {error})") from error
+    recorded = recorded_sources(data["path"], data)
     given = read_sources(document, password) if document is not None else None
     return stale_sources(recorded, given)
 
