@@ -77,25 +77,23 @@ def main() -> None:
     import torch
 
     from snapkv.config import SnapKVConfig
-    from snapkv.generation import prefill
-    from snapkv.haystack import build_haystack
+    from snapkv.documents import Document
+    from snapkv.haystack import build_haystack, filler_text
     from snapkv.models import load_model, resolve_model_source
+    from snapkv.session import Session
 
     torch.set_num_threads(args.threads)
     loaded = load_model(dtype="float32", device="cpu")
-    filler = (Path(__file__).resolve().parent.parent / "samples" / "essays.txt").read_text()
-    # kvpress compresses the whole prompt; so do we: the plain haystack text is the prompt.
-    ids = loaded.tokenizer(build_haystack(loaded.tokenizer, filler, args.tokens, 0.5, "48613").text).input_ids
-    ids = torch.tensor(ids[: args.tokens])
-    n = ids.shape[0]
+    document = Document(build_haystack(loaded.tokenizer, filler_text(), args.tokens, 0.5, "48613").text)
+    full_session = Session(loaded, None)
+    prompt = full_session.prompt(document, max_tokens=args.tokens)  # both sides compress these very ids
+    ids, n = prompt.ids, prompt.tokens
     budget = int(n * (1 - args.ratio))
-    config = SnapKVConfig(budget=budget, window=args.window, kernel=args.kernel, pooling="avg", query_aware=False)
-    full = prefill(loaded.model, ids, None)
-    seconds = []
-    for _ in range(args.repeats):
-        started = time.perf_counter()
-        ours = prefill(loaded.model, ids, config)
-        seconds.append(time.perf_counter() - started)
+    session = Session(loaded, SnapKVConfig(budget=budget, window=args.window, kernel=args.kernel, pooling="avg",
+                                           query_aware=False))
+    full = full_session.prepare(prompt).cache
+    runs = [session.prepare(prompt, measure=True) for _ in range(args.repeats)]
+    ours, seconds = runs[-1].cache, [run.prefill_seconds for run in runs]
 
     with tempfile.TemporaryDirectory() as folder:
         ids_file, out_file = Path(folder) / "ids.json", Path(folder) / "kvpress.json"

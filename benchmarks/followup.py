@@ -16,12 +16,10 @@ import torch
 
 from snapkv.config import SnapKVConfig
 from snapkv.documents import Document
-from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
+from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
 from snapkv.models import load_model
 from snapkv.session import Session
 from snapkv.store import CacheStore
-
-FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 
 
 def first_token_seconds(session: Session, prepared) -> tuple[float, str]:
@@ -37,7 +35,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     loaded = load_model()
-    haystack = build_haystack(loaded.tokenizer, FILLER.read_text(), args.tokens, 0.5, "58207")
+    haystack = build_haystack(loaded.tokenizer, filler_text(), args.tokens, 0.5, "58207")
     document = Document(haystack.text)
     loaded.identity  # computed once per model load, not per question
     print(f"embedded model, {str(loaded.dtype).replace('torch.', '')}")

@@ -17,7 +17,6 @@ On CPU, with the tiny shape, it is a quick check of the script itself:
 import argparse
 import json
 import sys
-import time
 
 
 def main() -> None:
@@ -32,43 +31,41 @@ def main() -> None:
 
     import torch
 
-    from snapkv.bench import parse_length
     from snapkv.config import SnapKVConfig
+    from snapkv.documents import Document
     from snapkv.errors import OutOfMemoryError
-    from snapkv.generation import answer, prefill
-    from snapkv.memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
+    from snapkv.memory import check_prefill_fits, is_out_of_memory, release_device_memory
     from snapkv.models import random_weights_model
+    from snapkv.session import Prompt, Session
+    from snapkv.sizes import parse_sizes
 
     loaded = random_weights_model(args.random_weights, device=args.device, tokenizer=args.tokenizer)
     settings = SnapKVConfig(budget=args.budget, query_aware=False)
+    session = Session(loaded, settings, allow_extrapolation=True)
     vocab = loaded.model.get_input_embeddings().weight.shape[0]
     rows = []
-    for length in (parse_length(part) for part in args.lengths.split(",")):
+    for length in parse_sizes(args.lengths, name="--lengths", minimum=16):
         row = {"length": length, "budget": args.budget}
         rows.append(row)
         try:
-            estimate = check_prefill_fits(loaded.model, length, loaded.device, loaded.dtype, settings)
+            estimate = check_prefill_fits(loaded.model, length, loaded.device, loaded.dtype, settings.stored_tier)
         except OutOfMemoryError as error:
             row["refused_by_estimate"] = str(error)
             break
         row["estimate_bytes"] = estimate.total_bytes
+        # random token ids of exactly `length` (the answers of random weights are meaningless anyway)
         ids = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(length))
         try:
-            with PeakMemory(loaded.device, release=True) as memory:
-                started = time.perf_counter()
-                cache = prefill(loaded.model, ids, settings)
-                if loaded.device.type == "cuda":
-                    torch.cuda.synchronize()
-                row["prefill_seconds"] = time.perf_counter() - started
-            row["prefill_peak_bytes"] = memory.peak
-            row["kv_bytes"] = cache.kv_bytes
-            started = time.perf_counter()
-            stream = answer(loaded.model, cache, torch.tensor([5, 6, 7]), max_new_tokens=args.decode_tokens)
-            next(stream)
-            first = time.perf_counter()
-            count = 1 + sum(1 for _ in stream)
-            row["decode_ms_per_token"] = 1000 * (time.perf_counter() - first) / max(count - 1, 1)
-            del cache
+            prepared = session.prepare(Prompt(Document(""), ids, None), measure=True)
+            row["prefill_seconds"] = prepared.prefill_seconds
+            row["prefill_peak_bytes"] = prepared.prefill_peak_bytes
+            row["kv_bytes"] = prepared.cache.kv_bytes
+            stream = session.ask(prepared, "Which number?", max_new_tokens=args.decode_tokens, stop_at_end=False,
+                                 measure=True)
+            for _ in stream:
+                pass
+            row["decode_ms_per_token"] = stream.result.decode_ms_per_token
+            del prepared
         except Exception as error:
             if not is_out_of_memory(error):
                 raise

@@ -11,65 +11,46 @@ another's peak.
 import argparse
 import json
 import multiprocessing
-import time
 from pathlib import Path
-
-FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 
 
 def measure(method: str, args: argparse.Namespace, results) -> None:
     import torch
 
-    from snapkv.memory import PeakMemory
     from snapkv.config import SnapKVConfig
-    from snapkv.generation import answer, prefill
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
+    from snapkv.documents import Document
+    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
     from snapkv.models import load_model
-    from snapkv.prompting import context_ids, question_ids
+    from snapkv.session import Session
 
     torch.set_num_threads(args.threads)
     loaded = load_model()
-    model, tokenizer = loaded.model, loaded.tokenizer
-    haystack = build_haystack(tokenizer, FILLER.read_text(), args.tokens, 0.5, "48613")
-    ids = context_ids(tokenizer, haystack.text)
-    question = question_ids(tokenizer, NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
+    haystack = build_haystack(loaded.tokenizer, filler_text(), args.tokens, 0.5, "48613")
     config = None if method == "full" else SnapKVConfig(
         budget=args.budget, window=args.window, kernel=args.kernel, pooling=args.pooling,
         query_aware=(method == "snapkv-query-aware"),
     )
-    tier = None if config is None else config.stored_tier
-    per_question = config if config is not None and config.query_aware else None
-
-    prefill_seconds = []
-    peak_growth = []
-    for _ in range(args.repeats):
-        cache = None
-        with PeakMemory(loaded.device, release=True) as memory:
-            started = time.perf_counter()
-            cache = prefill(model, ids, tier)
-            prefill_seconds.append(time.perf_counter() - started)
-        peak_growth.append(memory.peak)
-
-    needle_text = "".join(tokenizer.decode([t]) for t in answer(
-        model, cache, question, per_question=per_question, max_new_tokens=8, stop_ids=loaded.stop_ids))
-
-    started = time.perf_counter()
-    stream = answer(model, cache, question, per_question=per_question, max_new_tokens=args.decode_tokens)
-    next(stream)
-    first_token = time.perf_counter()
-    count = 1 + sum(1 for _ in stream)
-    ended = time.perf_counter()
+    session = Session(loaded, config)
+    prompt = session.prompt(Document(haystack.text))
+    runs = [session.prepare(prompt, measure=True) for _ in range(args.repeats)]
+    prepared = runs[-1]
+    needle_text = "".join(session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX, max_new_tokens=8))
+    timed = session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX,
+                        max_new_tokens=args.decode_tokens, stop_at_end=False, measure=True)
+    for _ in timed:
+        pass
+    cache = prepared.cache
     results[method] = {
         "method": method,
         "tokens": cache.original_length,
         "dtype": str(loaded.dtype).replace("torch.", ""),
         "budget": None if config is None else config.budget,
-        "prefill_seconds": min(prefill_seconds),
-        "prefill_peak_rss_growth_bytes": min(peak_growth),
+        "prefill_seconds": min(run.prefill_seconds for run in runs),
+        "prefill_peak_rss_growth_bytes": min(run.prefill_peak_bytes for run in runs),
         "kv_bytes_stored": cache.kv_bytes,
         "kv_bytes_full": cache.full_kv_bytes(),
-        "ttft_seconds": first_token - started,
-        "decode_ms_per_token": 1000 * (ended - first_token) / max(count - 1, 1),
+        "ttft_seconds": timed.result.ttft_seconds,
+        "decode_ms_per_token": timed.result.decode_ms_per_token,
         "needle_found": haystack.number in needle_text,
         "needle_answer": needle_text.strip(),
     }

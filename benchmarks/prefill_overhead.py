@@ -5,18 +5,14 @@
 
 import argparse
 import statistics
-import time
-from pathlib import Path
 
 import torch
 
 from snapkv.config import SnapKVConfig
-from snapkv.generation import prefill
-from snapkv.haystack import build_haystack
+from snapkv.documents import Document
+from snapkv.haystack import build_haystack, filler_text
 from snapkv.models import load_model
-from snapkv.prompting import context_ids
-
-FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
+from snapkv.session import Session
 
 
 def main() -> None:
@@ -26,17 +22,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     loaded = load_model()
-    ids = context_ids(loaded.tokenizer, build_haystack(loaded.tokenizer, FILLER.read_text(), args.tokens, 0.5, "1").text)
-    config = SnapKVConfig(budget=args.budget, query_aware=False)
+    sessions = {"full": Session(loaded, None),
+                "snapkv": Session(loaded, SnapKVConfig(budget=args.budget, query_aware=False))}
+    document = Document(build_haystack(loaded.tokenizer, filler_text(), args.tokens, 0.5, "1").text)
+    prompt = sessions["full"].prompt(document)
+    sessions["full"].prepare(sessions["full"].prompt(document, max_tokens=512))  # warm-up
     times: dict[str, list[float]] = {"full": [], "snapkv": []}
-    prefill(loaded.model, ids[:512], None)  # warm-up
     for _ in range(args.rounds):
-        for name, tier in (("full", None), ("snapkv", config)):
-            started = time.perf_counter()
-            prefill(loaded.model, ids, tier)
-            times[name].append(time.perf_counter() - started)
+        for name, session in sessions.items():
+            times[name].append(session.prepare(prompt, measure=True).prefill_seconds)
     for name, values in times.items():
-        print(f"{name:<8} {ids.shape[0]} tokens: median {statistics.median(values):.2f} s, "
+        print(f"{name:<8} {prompt.tokens} tokens: median {statistics.median(values):.2f} s, "
               f"all {', '.join(f'{v:.2f}' for v in values)}")
     ratio = statistics.median(times["snapkv"]) / statistics.median(times["full"])
     per_round = [s / f for s, f in zip(times["snapkv"], times["full"])]

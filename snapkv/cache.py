@@ -1,10 +1,12 @@
 """CompressedCache: a prompt's KV cache after SnapKV, independent of transformers' Cache classes."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
+
+from .config import Tier
 
 
 @dataclass
@@ -15,6 +17,8 @@ class CompressedCache:
     positions[i]:       (kv_heads, kept_i) int64, ascending original positions of the kept entries
     original_length:    tokens in the prompt; whatever follows it is placed from this position on
     token_ids:          (original_length,) int64, the prompt itself
+    tier:               what the cache holds and how it was made (the cut at prefill, truncation);
+                        a saved file's metadata is written from it
     """
 
     keys: list[torch.Tensor]
@@ -22,6 +26,7 @@ class CompressedCache:
     positions: list[torch.Tensor]
     original_length: int
     token_ids: torch.Tensor
+    tier: Tier = field(default_factory=Tier)
 
     @property
     def num_layers(self) -> int:
@@ -79,16 +84,16 @@ class CompressedCache:
         positions: list[torch.Tensor],
         original_length: int,
         token_ids: torch.Tensor,
+        tier: Tier,
     ) -> "CompressedCache":
         keys = [layer.keys[0] for layer in cache.layers]
         values = [layer.values[0] for layer in cache.layers]
-        return cls(keys, values, positions, original_length, token_ids)
+        return cls(keys, values, positions, original_length, token_ids, tier)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "CompressedCache":
-        return CompressedCache(
+        return replace(
+            self,
             keys=[k.to(device=device, dtype=dtype) for k in self.keys],
             values=[v.to(device=device, dtype=dtype) for v in self.values],
             positions=[p.to(device) for p in self.positions],
-            original_length=self.original_length,
-            token_ids=self.token_ids,
         )

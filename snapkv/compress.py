@@ -13,35 +13,39 @@ from typing import Iterator
 import torch
 
 from .architectures import attention_layers, window_queries
-from .scoring import gather_positions, select_positions
+from .config import Cut
+from .scoring import gather_positions, kept_indices
 
 
 @dataclass
 class CompressionPlan:
     """What one forward pass keeps per layer.
 
-    prefix_keep: positions kept before the observation window.
-    window:      the observation window: this many of the forward's last new tokens (capped at
-                 the number of new tokens).
+    cut:    the method and budget; `cut.prefix_keep` positions are kept before the observation window.
+    window: the observation window: this many of the forward's last new tokens (capped at the number
+            of new tokens). The cut's own window at prefill; the whole question in a question pass.
     """
 
-    prefix_keep: int
+    cut: Cut
     window: int
-    kernel: int
-    pooling: str
     # layer index -> (batch, kv_heads, kept) physical indices into the layer's cache before the cut;
     # layers that were not cut are absent.
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def prefix_keep(self) -> int:
+        return self.cut.prefix_keep
 
-def _cache_argument(kwargs: dict):
+
+def cache_argument(kwargs: dict):
+    """The cache a decoder layer's attention was called with (None outside a cached forward)."""
     # transformers >= 5.24 names it `cache`, earlier 5.x releases `past_key_values`.
     cache = kwargs.get("cache")
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
 def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
-    cache = _cache_argument(kwargs)
+    cache = cache_argument(kwargs)
     if cache is None:
         return
     hidden_states = args[0] if args else kwargs["hidden_states"]
@@ -55,7 +59,8 @@ def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) ->
     queries = window_queries(
         module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
     )
-    indices = select_positions(queries, keys, module.scaling, plan.prefix_keep, plan.kernel, plan.pooling)
+    scores = plan.cut.method.score(queries, keys, module.scaling)  # (batch, kv_heads, n - window)
+    indices = kept_indices(scores, plan.prefix_keep, window)
     layer.keys = gather_positions(keys, indices)
     layer.values = gather_positions(values, indices)
     plan.kept[module.layer_idx] = indices

@@ -5,14 +5,14 @@ Measurements only: dataclasses out, nothing printed.
 
 import random
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import SnapKVConfig
+from .config import DEFAULTS, SnapKVConfig, per_question_of, stored_tier_of
 from .documents import Document
-from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack
+from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
 from .models import LoadedModel
-from .session import Session
+from .session import PreparedDocument, Session
 from .store import CacheStore
 
 
@@ -24,13 +24,13 @@ class EvalSetting:
     config: SnapKVConfig | None
 
     @classmethod
-    def grid(cls, budgets: list[int], *, window: int, kernel: int, pooling: str,
+    def grid(cls, budgets: list[int], base: SnapKVConfig = DEFAULTS,
              modes: tuple[str, ...] = ("query-aware", "document-window")) -> list["EvalSetting"]:
+        """The full cache, then `base` in each mode at each budget."""
         settings = [cls("full", None)]
         for mode in modes:
             for budget in budgets:
-                config = SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling,
-                                      query_aware=mode == "query-aware")
+                config = replace(base, budget=budget, query_aware=mode == "query-aware")
                 settings.append(cls(f"{mode} {budget}", config))
         return settings
 
@@ -52,18 +52,18 @@ def _needle_number(length_index: int, depth_index: int) -> str:
     return str(random.Random(length_index * 1000 + depth_index).randrange(10000, 99999))
 
 
-def _prepare(loaded: LoadedModel, config: SnapKVConfig | None, document: Document, cache_of_tier: dict):
+def _prepare(session: Session, document: Document, by_tier: dict) -> PreparedDocument:
     """Prefill once per stored tier: the full cache serves 'full' and every query-aware budget."""
-    tier = None if config is None else config.stored_tier
-    key = None if tier is None else (tier.budget, tier.window, tier.kernel, tier.pooling)
-    if key not in cache_of_tier:
-        cache_of_tier[key] = Session(loaded, config).prepare(document)
-    return cache_of_tier[key]
+    stored = stored_tier_of(session.settings)
+    if stored not in by_tier:
+        by_tier[stored] = session.prepare(document)
+    return by_tier[stored].answering_with(per_question_of(session.settings))
 
 
-def needle_grid(loaded: LoadedModel, filler: str, lengths: list[int], depths: list[float],
-                settings: list[EvalSetting], on_cell=None) -> NeedleResult:
+def needle_grid(loaded: LoadedModel, lengths: list[int], depths: list[float], settings: list[EvalSetting],
+                on_cell=None, filler: str | None = None) -> NeedleResult:
     """The paper's needle-in-a-haystack grid for each setting."""
+    filler = filler or filler_text()
     result = NeedleResult(lengths, depths)
     for setting in settings:
         result.found[setting.name] = [[False] * len(depths) for _ in lengths]
@@ -75,7 +75,7 @@ def needle_grid(loaded: LoadedModel, filler: str, lengths: list[int], depths: li
             prepared_by_tier: dict = {}
             for setting in settings:
                 session = Session(loaded, setting.config)
-                prepared = _prepare(loaded, setting.config, document, prepared_by_tier)
+                prepared = _prepare(session, document, prepared_by_tier)
                 text = "".join(session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX,
                                            max_new_tokens=10))
                 result.found[setting.name][li][di] = haystack.number in text
@@ -153,10 +153,10 @@ def multi_fact_document(tokenizer, filler: str, tokens: int, count: int, seed: i
     return "\n\n".join(base), facts
 
 
-def many_questions(loaded: LoadedModel, filler: str, tokens: int, count: int,
-                   settings: list[EvalSetting], on_answer=None) -> MultiResult:
+def many_questions(loaded: LoadedModel, tokens: int, count: int, settings: list[EvalSetting],
+                   on_answer=None, filler: str | None = None) -> MultiResult:
     """One document, compressed once and saved; every question asked against the one cache loaded back."""
-    text, facts = multi_fact_document(loaded.tokenizer, filler, tokens, count)
+    text, facts = multi_fact_document(loaded.tokenizer, filler or filler_text(), tokens, count)
     document = Document(text)
     result = MultiResult(tokens=0, facts=facts)
     with tempfile.TemporaryDirectory() as folder:

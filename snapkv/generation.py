@@ -14,7 +14,7 @@ from .architectures import attention_layers
 from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
-from .config import SnapKVConfig
+from .config import Cut, Tier
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,6 @@ class Sampling:
 
 def _model_device(model) -> torch.device:
     return model.get_input_embeddings().weight.device
-
-
-def _plan_for(config: SnapKVConfig, window: int) -> CompressionPlan:
-    return CompressionPlan(
-        prefix_keep=config.prefix_keep, window=window, kernel=config.kernel, pooling=config.pooling
-    )
 
 
 @torch.inference_mode()
@@ -80,12 +74,13 @@ def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
 
 
 @torch.inference_mode()
-def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None,
+def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
             on_layer: Callable[[int, int], None] | None = None,
-            chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> CompressedCache:
-    """Run the prompt through the model, compressing each layer as it goes (None: keep everything).
+            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tier: Tier | None = None) -> CompressedCache:
+    """Run the prompt through the model, compressing each layer as it goes (cut None: keep everything).
 
     context_ids: (n,) token ids. A prompt no longer than the budget is left whole.
+    tier: the description the cache carries (default: this cut, no truncation).
     on_layer: progress callback, called with (layers done, layers in all) as each layer finishes.
     chunk_tokens: the MLPs run over at most this many positions at a time (bounded activations).
     Each layer's cache stays on that layer's device (several with accelerate's device_map).
@@ -94,8 +89,8 @@ def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None,
     n = context_ids.shape[0]
     cache = DynamicCache(config=model.config)
     plan = None
-    if compression is not None and n > compression.budget:
-        plan = _plan_for(compression, compression.window)
+    if cut is not None and n > cut.budget:
+        plan = CompressionPlan(cut, cut.window)
     with (compressing(model, plan) if plan else nullcontext(), _reporting_layers(model, on_layer),
           chunked_feed_forward(model, chunk_tokens) if n > chunk_tokens else nullcontext()):
         _next_logits(model, context_ids.to(device).unsqueeze(0), cache)
@@ -104,7 +99,8 @@ def prefill(model, context_ids: torch.Tensor, compression: SnapKVConfig | None,
         kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
         all_positions = torch.arange(n, device=layer.keys.device).unsqueeze(0)  # (1, n)
         positions.append(_layer_positions(plan, index, length, all_positions, kv_heads).contiguous())
-    return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu())
+    tier = tier if tier is not None else Tier(cut)
+    return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu(), tier)
 
 
 def _pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -125,7 +121,7 @@ def answer(
     cache: CompressedCache,
     question_ids: torch.Tensor,
     *,
-    per_question: SnapKVConfig | None = None,
+    per_question: Cut | None = None,
     max_new_tokens: int = 128,
     stop_ids: frozenset[int] = frozenset(),
     sampling: Sampling = Sampling(),
@@ -146,7 +142,7 @@ def answer(
     start = cache.original_length
     plan = None
     if per_question is not None and cache.kept_tokens > per_question.prefix_keep:
-        plan = _plan_for(per_question, window=q)
+        plan = CompressionPlan(per_question, window=q)
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)

@@ -1,10 +1,18 @@
 """Needle-in-a-haystack documents: filler prose of a chosen token length with one fact inside."""
 
 from dataclasses import dataclass
+from functools import cache
+from importlib import resources
 
 NEEDLE_TEMPLATE = "The special magic number is {number}."
 NEEDLE_QUESTION = "What is the special magic number?"
 NEEDLE_ANSWER_PREFIX = "The special magic number is"
+
+
+@cache
+def filler_text() -> str:
+    """Plain essays shipped with the package (snapkv/data/essays.txt): the prose a haystack is made of."""
+    return resources.files("snapkv").joinpath("data", "essays.txt").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .chunking import DEFAULT_CHUNK_TOKENS
-from .config import SnapKVConfig
+from .config import Cut
 from .errors import OutOfMemoryError
 
 # Allocator slack and temporaries the formula does not name (fp32 upcasts in norms and softmax, RoPE
@@ -52,7 +52,7 @@ def _shape(config) -> dict:
     }
 
 
-def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: SnapKVConfig | None,
+def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: Cut | None,
                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS, device_type: str = "cpu") -> PrefillEstimate:
     """Peak memory of prefilling `tokens` tokens, beyond the weights.
 
@@ -86,7 +86,7 @@ def free_bytes(device: torch.device) -> int:
 
 
 def check_prefill_fits(model, tokens: int, device: torch.device, dtype: torch.dtype,
-                       tier: SnapKVConfig | None) -> PrefillEstimate:
+                       tier: Cut | None) -> PrefillEstimate:
     """Refuse, before any work, a prefill that cannot fit in free memory (OutOfMemoryError, with the numbers)."""
     estimate = estimate_prefill(model.config, tokens, dtype, tier, device_type=device.type)
     free = free_bytes(device)

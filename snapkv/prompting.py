@@ -51,31 +51,55 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids if text else []
 
 
+class Prompter:
+    """One tokenizer's chat template, rendered and tokenized once, turning documents and questions into ids."""
+
+    def __init__(self, tokenizer) -> None:
+        template = PromptTemplate.for_tokenizer(tokenizer)
+        self.tokenizer = tokenizer
+        self.head_ids = _template_ids(tokenizer, template.head)
+        self.middle_ids = _template_ids(tokenizer, template.middle)
+        self.tail_ids = _template_ids(tokenizer, template.tail)
+
+    @property
+    def overhead(self) -> int:
+        """Template tokens around the document in the context ids."""
+        return len(self.head_ids) + len(self.middle_ids)
+
+    def document_ids(self, document: str) -> list[int]:
+        """The document's own tokens, as plain text."""
+        return _plain_ids(self.tokenizer, document)
+
+    def context_ids(self, document: str | list[int]) -> torch.Tensor:
+        """(n,) ids of everything before the question: template head, instruction, document, middle."""
+        if not isinstance(document, list):
+            document = self.document_ids(document)
+        if not document:
+            raise DocumentError("the document has no text to ask about")
+        return torch.tensor(self.head_ids + document + self.middle_ids, dtype=torch.long)
+
+    def question_ids(self, question: str, answer_prefix: str = "") -> torch.Tensor:
+        """(q,) ids of the question, the end of the user turn and the start of the answer.
+
+        answer_prefix starts the assistant's reply (e.g. "The special magic number is"), which small
+        models follow well.
+        """
+        if not question.strip():
+            raise DocumentError("the question is empty")
+        ids = _plain_ids(self.tokenizer, " " + question.strip()) + self.tail_ids
+        ids += _plain_ids(self.tokenizer, answer_prefix)
+        return torch.tensor(ids, dtype=torch.long)
+
+
+# One-off conveniences (each renders the template again; a Session keeps one Prompter).
+
 def document_ids(tokenizer, document: str) -> list[int]:
-    """The document's own tokens, as plain text."""
     return _plain_ids(tokenizer, document)
 
 
 def context_ids(tokenizer, document: str | list[int]) -> torch.Tensor:
-    """(n,) ids of everything before the question: template head, instruction, document, middle."""
-    if not isinstance(document, list):
-        document = document_ids(tokenizer, document)
-    if not document:
-        raise DocumentError("the document has no text to ask about")
-    template = PromptTemplate.for_tokenizer(tokenizer)
-    ids = _template_ids(tokenizer, template.head) + document + _template_ids(tokenizer, template.middle)
-    return torch.tensor(ids, dtype=torch.long)
+    return Prompter(tokenizer).context_ids(document)
 
 
 def question_ids(tokenizer, question: str, answer_prefix: str = "") -> torch.Tensor:
-    """(q,) ids of the question, the end of the user turn and the start of the answer.
-
-    answer_prefix starts the assistant's reply (e.g. "The special magic number is"), which small
-    models follow well.
-    """
-    if not question.strip():
-        raise DocumentError("the question is empty")
-    template = PromptTemplate.for_tokenizer(tokenizer)
-    ids = _plain_ids(tokenizer, " " + question.strip()) + _template_ids(tokenizer, template.tail)
-    ids += _plain_ids(tokenizer, answer_prefix)
-    return torch.tensor(ids, dtype=torch.long)
+    return Prompter(tokenizer).question_ids(question, answer_prefix)

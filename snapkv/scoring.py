@@ -1,4 +1,4 @@
-"""SnapKV's selection as pure tensor functions: window scores, pooling, GQA mean, kept indices."""
+"""SnapKV's selection as pure tensor functions: window scores, pooling, GQA mean, kept indices, gather."""
 
 import torch
 import torch.nn.functional as F
@@ -64,22 +64,6 @@ def kept_indices(prefix_scores: torch.Tensor, prefix_keep: int, window: int) -> 
     window_positions = torch.arange(n_prefix, n_prefix + window, device=prefix_scores.device)
     window_positions = window_positions.expand(batch, kv_heads, window)
     return torch.cat([best, window_positions], dim=-1).sort(dim=-1).values
-
-
-def select_positions(
-    window_queries: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    prefix_keep: int,
-    kernel: int,
-    pooling: str,
-) -> torch.Tensor:
-    """The whole SnapKV selection for one layer: (batch, kv_heads, prefix_keep + w) sorted indices."""
-    window = window_queries.shape[2]
-    scores = window_attention_scores(window_queries, keys, scaling)
-    scores = pool_scores(scores, kernel, pooling)
-    scores = mean_over_query_groups(scores, keys.shape[1])
-    return kept_indices(scores, prefix_keep, window)
 
 
 def gather_positions(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

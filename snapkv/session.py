@@ -1,47 +1,110 @@
 """The one front door: a model loaded once, documents turned into caches, questions into answers.
 
-The CLI, the benchmarks and the tests all go through here, so the flow is written once.
+The CLI, bench, eval and the scripts under benchmarks/ all go through here, so the flow is written once:
+
+    Session.prompt(document)    -> Prompt            context ids, cut to fit where asked
+    Session.prepare(prompt)     -> PreparedDocument  a store hit, or prefill (the stored tier) + save
+    Session.load_file(path)     -> PreparedDocument  a saved cache, answered as the file says
+    Session.ask(prepared, q)    -> AnswerStream      text as it is generated; .result when it ends
+
+A PreparedDocument holds the cache (which carries its own Tier) and the cut made per question;
+nothing about a document is kept on the session.
 """
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
+from .answering import cut_for_file
 from .cache import CompressedCache
-from .config import SnapKVConfig
+from .cachefile import load_cache, per_question_of, recorded_sources, save_cache
+from .config import Cut, SnapKVConfig, Tier, Truncation, mode_of, per_question_of as per_question_for
+from .config import stored_tier_of
 from .documents import Document, stale_sources
 from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
 from .generation import Sampling, answer, prefill
 from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
 from .models import LoadedModel
-from .prompting import context_ids, document_ids, question_ids
-from .store import CacheStore, cache_key, load_cache, recorded_sources, save_cache
+from .store import CacheStore, cache_key
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
+TRUNCATE_SIDES = ("start", "middle", "end")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A document's context ids, ready to prefill, and what was cut to make them fit."""
+
+    document: Document
+    ids: torch.Tensor              # (n,) context ids
+    truncation: Truncation | None  # None when the whole document fits
+
+    @property
+    def tokens(self) -> int:
+        return self.ids.shape[0]
 
 
 @dataclass
 class PreparedDocument:
-    """A document's cache, ready for any number of questions, and how it was obtained."""
+    """A document's cache, ready for any number of questions, and how it was obtained.
+
+    per_question: the cut each question makes, with the question as the window (query-aware); None
+    answers against the cache as it is.
+    """
 
     document: Document
     cache: CompressedCache
+    per_question: Cut | None = None
     prefill_seconds: float = 0.0     # 0 when the cache came from a file
     path: Path | None = None         # the saved cache file, if any
     hit: bool = False                # True when the cache was loaded instead of prefilled
     load_seconds: float = 0.0
     save_seconds: float = 0.0
     file_bytes: int = 0
-    note: str = ""                   # something the user should hear about, e.g. a damaged entry rebuilt
+    notes: list[str] = field(default_factory=list)  # things the user should hear about (a rebuilt entry, staleness)
     prefill_peak_bytes: int = 0      # PeakMemory of the prefill (0 when loaded from a file)
 
     @property
     def tokens(self) -> int:
         return self.cache.original_length
+
+    @property
+    def tier(self) -> Tier:
+        return self.cache.tier
+
+    @property
+    def mode(self) -> str:
+        return mode_of(self.tier.cut, self.per_question)
+
+    @property
+    def kept_per_question(self) -> int:
+        """Prompt positions per KV head each answer is decoded against (the budget, or all held)."""
+        if self.per_question is None:
+            return self.cache.kept_tokens
+        return min(self.cache.kept_tokens, self.per_question.budget)
+
+    def decoded_kv_bytes(self, question_tokens: int) -> int:
+        """KV bytes an answer decodes against: the per-question cut (prefix + the question) or all held."""
+        cache = self.cache
+        if self.per_question is None:
+            return cache.kv_bytes
+        kept = min(cache.kept_tokens, self.per_question.prefix_keep + question_tokens)
+        return cache.kv_bytes * kept // max(cache.kept_tokens, 1)
+
+    def answering_with(self, per_question: Cut | None) -> "PreparedDocument":
+        """The same cache, answered with another per-question cut; refused where it asks for more than is held."""
+        held = self.tier.cut
+        if per_question is not None and held is not None and per_question.budget > held.budget:
+            raise ConfigError(
+                f"this cache holds {held.budget} positions per head ({held.describe()}); a budget of "
+                f"{per_question.budget} asks for more than it holds. Use a budget of at most {held.budget}, or build "
+                "the cache again from the document."
+            )
+        return replace(self, per_question=per_question)
 
 
 @dataclass
@@ -51,57 +114,62 @@ class AnswerResult:
     new_tokens: int
     ttft_seconds: float
     decode_seconds: float
-    peak_bytes: int = 0  # PeakMemory of the answer: question pass and decoding
+    peak_bytes: int = 0   # PeakMemory of the answer: question pass and decoding
+    kv_bytes: int = 0     # the KV decoded against
 
     @property
     def decode_tokens_per_second(self) -> float:
         steps = self.new_tokens - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
 
+    @property
+    def decode_ms_per_token(self) -> float:
+        steps = self.new_tokens - 1
+        return 1000 * self.decode_seconds / steps if steps > 0 else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
 
 class AnswerStream:
     """Iterate to get the answer's text as it is generated; `result` is set when it ends."""
 
-    def __init__(self, session: "Session", prepared: PreparedDocument, question: str,
-                 answer_prefix: str, max_new_tokens: int, sampling: Sampling) -> None:
-        self._session = session
+    def __init__(self, loaded: LoadedModel, prepared: PreparedDocument, question: str, ids: torch.Tensor,
+                 max_new_tokens: int, sampling: Sampling, stop_ids: frozenset[int], measure: bool) -> None:
+        self._loaded = loaded
         self._prepared = prepared
         self.question = question
-        self._answer_prefix = answer_prefix
+        self._ids = ids
         self._max_new_tokens = max_new_tokens
         self._sampling = sampling
+        self._stop_ids = stop_ids
+        self._measure = measure
         self.result: AnswerResult | None = None
 
     def __iter__(self) -> Iterator[str]:
-        loaded = self._session.loaded
+        loaded, prepared = self._loaded, self._prepared
         tokenizer = loaded.tokenizer
-        ids = question_ids(tokenizer, self.question, self._answer_prefix)
-        settings = self._session.settings
-        per_question = settings if settings is not None and settings.query_aware else None
-        max_new_tokens = self._max_new_tokens
-        if loaded.context_length:  # never decode past the positions the model was trained for
-            room = loaded.context_length - self._prepared.cache.original_length - ids.shape[0]
-            if room < 1:
-                raise DocumentError(
-                    f"the question ({ids.shape[0]} tokens) does not fit after the {self._prepared.cache.original_length}-"
-                    f"token document in {loaded.name}'s {loaded.context_length} positions; ask a shorter question"
-                )
-            max_new_tokens = min(max_new_tokens, room)
         started = time.perf_counter()
         first_token_at = None
         tokens: list[int] = []
         shown = ""
-        with PeakMemory(loaded.device) as memory:
-            for token in answer(loaded.model, self._prepared.cache, ids, per_question=per_question,
-                                max_new_tokens=max_new_tokens, stop_ids=loaded.stop_ids,
+        with PeakMemory(loaded.device, release=self._measure) as memory:
+            for token in answer(loaded.model, prepared.cache, self._ids, per_question=prepared.per_question,
+                                max_new_tokens=self._max_new_tokens, stop_ids=self._stop_ids,
                                 sampling=self._sampling):
                 if first_token_at is None:
+                    if self._measure:
+                        _sync(loaded.device)
                     first_token_at = time.perf_counter()
                 tokens.append(token)
                 text = tokenizer.decode(tokens, skip_special_tokens=True)
                 if not text.endswith("\ufffd") and len(text) > len(shown):  # wait for whole characters
                     yield text[len(shown):]
                     shown = text
+            if self._measure:
+                _sync(loaded.device)
         ended = time.perf_counter()
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         if len(text) > len(shown):
@@ -110,103 +178,104 @@ class AnswerStream:
         self.result = AnswerResult(
             question=self.question, text=text, new_tokens=len(tokens),
             ttft_seconds=first_token_at - started, decode_seconds=ended - first_token_at, peak_bytes=memory.peak,
+            kv_bytes=prepared.decoded_kv_bytes(self._ids.shape[0]),
         )
 
 
-def stored_settings(settings: SnapKVConfig | None) -> dict | None:
-    """What the saved tier is: None for the whole cache, else the compression applied at prefill."""
-    tier = settings.stored_tier if settings is not None else None
-    if tier is None:
-        return None
-    return {"budget": tier.budget, "window": tier.window, "kernel": tier.kernel, "pooling": tier.pooling}
-
-
 class Session:
-    """A loaded model, the compression settings (None: keep the full cache, the baseline) and a store.
+    """A loaded model, the compression settings asked for (None: keep the full cache, the baseline) and a store.
 
-    store: where caches are looked up and saved (None: neither; every document is prefilled).
-    verify: check each loaded cache's payload digest.
+    store:    where caches are looked up and saved (None: neither; every document is prefilled).
+    verify:   check each loaded cache's payload digest.
+    truncate: how a document longer than the model's context is cut (start / middle / end: the part
+              removed); None refuses it.
+    allow_extrapolation: let prompts and answers run past the model's context (speed and memory
+              measurements only: the answers are then not meaningful).
     """
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
-                 store: CacheStore | None = None, verify: bool = True, truncate: str | None = None) -> None:
-        if truncate not in (None, "start", "middle", "end"):
+                 store: CacheStore | None = None, verify: bool = True, truncate: str | None = None,
+                 allow_extrapolation: bool = False) -> None:
+        if truncate not in (None, *TRUNCATE_SIDES):
             raise ConfigError(f"--truncate takes start, middle or end, not {truncate!r}")
         self.loaded = loaded
         self.settings = settings
         self.store = store
         self.verify = verify
         self.truncate = truncate
-        self.on_layer: Callable[[int, int], None] | None = None  # prefill progress, for a UI
-        self.truncated_tokens = 0  # how many document tokens the last prompt_ids() cut
-        self.last_prompt_tokens = 0  # length of the last prompt_ids()
+        self.context_limit = 0 if allow_extrapolation else loaded.context_length  # 0: no limit
 
-    def prompt_ids(self, document: Document) -> torch.Tensor:
-        """(n,) context ids. A document longer than the model's context is refused, or cut where
-        `truncate` says (start / middle / end: the part removed); truncated_tokens tells how much."""
-        tokenizer = self.loaded.tokenizer
-        body = document_ids(tokenizer, document.text)
-        overhead = context_ids(tokenizer, [0]).shape[0] - 1  # template tokens around the document
-        limit = self.loaded.context_length
-        room = limit - overhead - QUESTION_ALLOWANCE if limit else len(body)
-        self.truncated_tokens = 0
+    # ------------------------------------------------------------------------------------ documents in
+
+    def prompt(self, document: Document, max_tokens: int | None = None) -> Prompt:
+        """The document's context ids. A document longer than the model's context (or than `max_tokens`
+        context ids in all, for measurements) is refused, or cut where `truncate` says."""
+        prompter = self.loaded.prompter
+        body = prompter.document_ids(document.text)
+        limit = self.context_limit
+        room = limit - prompter.overhead - QUESTION_ALLOWANCE if limit else len(body)
+        truncate = self.truncate
+        if max_tokens is not None and max_tokens - prompter.overhead < room:
+            room, truncate = max(max_tokens - prompter.overhead, 1), truncate or "end"
+        truncation = None
         if len(body) > room:
-            if self.truncate is None:
+            if truncate is None:
                 raise DocumentError(
                     f"the document is {len(body)} tokens, and {self.loaded.name} holds {limit} tokens in all "
                     f"({room} for a document once the prompt template and {QUESTION_ALLOWANCE} tokens for the "
                     "question and answer are set aside). Pass --truncate start|middle|end to cut it, or use a "
                     "model with a longer context."
                 )
-            self.truncated_tokens = len(body) - room
-            if self.truncate == "start":
+            truncation = Truncation(truncate, len(body) - room)
+            if truncate == "start":
                 body = body[-room:]
-            elif self.truncate == "end":
+            elif truncate == "end":
                 body = body[:room]
             else:
                 body = body[: room // 2] + body[len(body) - (room - room // 2):]
-        ids = context_ids(tokenizer, body)
-        self.last_prompt_tokens = ids.shape[0]
-        return ids
+        return Prompt(document, prompter.context_ids(body), truncation)
 
-    def _metadata(self, document: Document) -> dict:
-        import transformers
+    def prepare(self, source: Document | Prompt, *, on_layer: Callable[[int, int], None] | None = None,
+                measure: bool = False) -> PreparedDocument:
+        """The document's cache: loaded from the store when it was made before, else prefilled (and saved).
 
-        from . import __version__
-
-        return {
-            "model": self.loaded.identity,
-            "stored": stored_settings(self.settings),
-            "mode": "none" if self.settings is None else
-                    ("query-aware" if self.settings.query_aware else "document-window"),
-            "settings": None if self.settings is None else asdict(self.settings),
-            "sources": [asdict(source) for source in document.sources],
-            "producer": {"snapkv": __version__, "transformers": transformers.__version__,
-                         "torch": torch.__version__},
-            "created": time.time(),
-        }
-
-    def prepare(self, document: Document) -> PreparedDocument:
-        """The document's cache: loaded from the store when it was made before, else prefilled (and saved)."""
-        ids = self.prompt_ids(document)
-        key = cache_key(self.loaded.identity, ids, stored_settings(self.settings)) if self.store else None
-        note = ""
+        on_layer: prefill progress, called with (layers done, layers in all).
+        measure:  for benchmarks: hand freed memory back to the OS before the prefill and wait for the
+                  device, so that its time and peak memory are the prefill's own.
+        """
+        prompt = source if isinstance(source, Prompt) else self.prompt(source)
+        stored, per_question = stored_tier_of(self.settings), per_question_for(self.settings)
+        key = cache_key(self.loaded.identity, prompt.ids, stored) if self.store else None
+        notes = []
         if self.store is not None and (path := self.store.lookup(key)) is not None:
             try:
-                prepared = self.load_file(path, check_sources=False)
+                prepared = self._load(path, check_sources=False)
             except CacheFileError as error:  # rebuilt and overwritten below
-                note = f"the saved cache was unreadable and has been rebuilt ({error})"
+                notes.append(f"the saved cache was unreadable and has been rebuilt ({error})")
             else:
-                if torch.equal(prepared.cache.token_ids, ids):
-                    prepared.document = document
-                    return prepared
-        tier = self.settings.stored_tier if self.settings is not None else None
-        loaded = self.loaded
-        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, tier)
-        started = time.perf_counter()
+                if torch.equal(prepared.cache.token_ids, prompt.ids):
+                    return replace(prepared, document=prompt.document, per_question=per_question)
+        prepared = self._prefill(prompt, stored, per_question, on_layer, measure)
+        prepared.notes = notes
+        if self.store is not None:
+            try:
+                self.save(prepared, self.store.path_for(key))
+            except StorageError as error:  # the answers need only the cache in memory: go on without it
+                prepared.notes.append(f"{error} The next question on this document will prefill again.")
+        return prepared
+
+    def _prefill(self, prompt: Prompt, stored: Cut | None, per_question: Cut | None,
+                 on_layer: Callable[[int, int], None] | None, measure: bool) -> PreparedDocument:
+        loaded, ids = self.loaded, prompt.ids
+        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, stored)
         try:
-            with PeakMemory(loaded.device) as memory:
-                cache = prefill(loaded.model, ids, tier, on_layer=self.on_layer)
+            with PeakMemory(loaded.device, release=measure) as memory:
+                _sync(loaded.device)
+                started = time.perf_counter()
+                cache = prefill(loaded.model, ids, stored, on_layer=on_layer,
+                                tier=Tier(stored, prompt.truncation))
+                _sync(loaded.device)
+                seconds = time.perf_counter() - started
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -216,36 +285,65 @@ class Session:
                 "nothing was saved. Use a shorter document (--truncate), a smaller budget with --no-query-aware, "
                 "or another device."
             ) from error
-        prepared = PreparedDocument(document, cache, prefill_seconds=time.perf_counter() - started, note=note,
-                                    prefill_peak_bytes=memory.peak)
-        if self.store is not None:
-            try:
-                self.save(prepared, self.store.path_for(key))
-            except StorageError as error:  # the answers need only the cache in memory: go on without it
-                prepared.note = f"{error} The next question on this document will prefill again."
-        return prepared
+        return PreparedDocument(prompt.document, cache, per_question, prefill_seconds=seconds,
+                                prefill_peak_bytes=memory.peak)
+
+    # ------------------------------------------------------------------------------------ files
 
     def save(self, prepared: PreparedDocument, path: Path) -> None:
+        """Write the prepared cache to `path`; the file describes the cache and the cut it is answered with."""
         started = time.perf_counter()
-        prepared.file_bytes = save_cache(path, prepared.cache, self._metadata(prepared.document))
+        prepared.file_bytes = save_cache(path, prepared.cache, model=self.loaded.identity,
+                                         per_question=prepared.per_question, sources=prepared.document.sources)
         prepared.save_seconds = time.perf_counter() - started
         prepared.path = Path(path)
 
-    def load_file(self, path: Path, check_sources: bool = True) -> PreparedDocument:
+    def load_file(self, path: Path, *, explicit: frozenset[str] = frozenset(),
+                  check_sources: bool = True) -> PreparedDocument:
         """A saved cache, checked against the model in use and moved to its device and dtype.
 
-        check_sources: note (in .note) when a recorded source file has changed since the cache was made.
+        It is answered as the file says, unless `explicit` names settings (SnapKVConfig field names, or
+        "no_compress") that the session's settings ask for instead: applied where meaningful (a smaller
+        per-question budget), refused with what the file holds where not (snapkv.answering).
+        check_sources: add a note when a recorded source file has changed since the cache was made.
         """
+        prepared = self._load(path, check_sources=check_sources)
+        per_question, notes = cut_for_file(path, prepared.tier, prepared.cache.kept_tokens,
+                                           prepared.per_question, self.settings, explicit)
+        prepared.notes.extend(notes)
+        return prepared.answering_with(per_question)
+
+    def _load(self, path: Path, check_sources: bool) -> PreparedDocument:
         started = time.perf_counter()
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.layer_devices,
                                      dtype=self.loaded.dtype, verify=self.verify)
         sources = recorded_sources(path, metadata)
         stale = stale_sources(sources) if check_sources else []
-        note = ("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "
-                "build a new cache from the document.") if stale else ""
-        return PreparedDocument(Document("", sources), cache, path=Path(path), hit=True, note=note,
-                                load_seconds=time.perf_counter() - started, file_bytes=Path(path).stat().st_size)
+        notes = [("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "
+                  "build a new cache from the document.")] if stale else []
+        return PreparedDocument(Document("", sources), cache, per_question_of(path, metadata), path=Path(path),
+                                hit=True, notes=notes, load_seconds=time.perf_counter() - started,
+                                file_bytes=Path(path).stat().st_size)
+
+    # ------------------------------------------------------------------------------------ answers out
 
     def ask(self, prepared: PreparedDocument, question: str, *, answer_prefix: str = "",
-            max_new_tokens: int = 256, sampling: Sampling = Sampling()) -> AnswerStream:
-        return AnswerStream(self, prepared, question, answer_prefix, max_new_tokens, sampling)
+            max_new_tokens: int = 256, sampling: Sampling = Sampling(), stop_at_end: bool = True,
+            measure: bool = False) -> AnswerStream:
+        """An answer to `question`, streamed as text; never decodes past the model's context.
+
+        stop_at_end: end at the model's end-of-turn tokens (False: always `max_new_tokens`, for timing).
+        measure:     for benchmarks: memory handed back first, device waited for at the first and last token.
+        """
+        loaded = self.loaded
+        ids = loaded.prompter.question_ids(question, answer_prefix)
+        if self.context_limit:  # never decode past the positions the model was trained for
+            room = self.context_limit - prepared.tokens - ids.shape[0]
+            if room < 1:
+                raise DocumentError(
+                    f"the question ({ids.shape[0]} tokens) does not fit after the {prepared.tokens}-token document "
+                    f"in {loaded.name}'s {loaded.context_length} positions; ask a shorter question"
+                )
+            max_new_tokens = min(max_new_tokens, room)
+        stop_ids = loaded.stop_ids if stop_at_end else frozenset()
+        return AnswerStream(loaded, prepared, question, ids, max_new_tokens, sampling, stop_ids, measure)

@@ -9,13 +9,14 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from snapkv.bench import BenchResult, parse_length, run_bench
+from snapkv.bench import BenchResult, run_bench
+from snapkv.config import DEFAULTS
 from snapkv.models import random_weights_model
+from snapkv.sizes import parse_sizes
 
-from .common import (DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption,
-                     QueryAwareOption, WindowOption, int_list, load_with_status, pyplot, stderr_console, stdout_console)
-
-FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
+from .options import (DeviceMapOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
+                      BudgetsOption, PoolingOption, QueryAwareOption, WindowOption, settings_from)
+from .render import load_with_status, pyplot, stderr_console, stdout_console
 
 
 def _table(result: BenchResult) -> Table:
@@ -53,8 +54,8 @@ def _plot(result: BenchResult, path: Path) -> None:
 
 
 def bench(
-    length: str = typer.Option("2k", help="Prompt lengths, comma-separated: 8k,16k,128k (k = 1024)."),
-    budget: str = typer.Option("1024", help="SnapKV budgets, comma-separated."),
+    length: LengthsOption = "2k",
+    budget: BudgetsOption = str(DEFAULTS.budget),
     model: ModelOption = None,
     random_weights: Optional[Path] = typer.Option(
         None, help="A config.json of a real model shape (see samples/configs/) built with random weights: speed "
@@ -62,10 +63,10 @@ def bench(
     tokenizer: Optional[Path] = typer.Option(
         None, help="With --random-weights: a folder of tokenizer files for the prompts (default: the embedded "
                    "model's)."),
-    window: WindowOption = 32,
-    kernel: KernelOption = 15,
-    pooling: PoolingOption = "max",
-    query_aware: QueryAwareOption = True,
+    window: WindowOption = DEFAULTS.window,
+    kernel: KernelOption = DEFAULTS.kernel,
+    pooling: PoolingOption = DEFAULTS.pooling,
+    query_aware: QueryAwareOption = DEFAULTS.query_aware,
     decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded to time decode speed."),
     repeats: int = typer.Option(3, min=1, help="Answers timed per method, in turn; the medians are reported."),
     allow_extrapolation: bool = typer.Option(False, help="Allow lengths past the model's context (speed and memory only)."),
@@ -76,8 +77,9 @@ def bench(
     plot: Optional[Path] = typer.Option(None, help="Write a PNG of decode time and KV memory against length."),
 ) -> None:
     """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle."""
-    lengths = [parse_length(part) for part in length.split(",") if part.strip()]
-    budgets = int_list(budget, "--budget")
+    lengths = parse_sizes(length, name="--length", minimum=16)
+    budgets = parse_sizes(budget, name="--budget")
+    settings = settings_from(budgets[0], window, kernel, pooling, query_aware)
     err = stderr_console()
     if random_weights is not None:
         with err.status("Building a random-weights model..."):
@@ -87,8 +89,7 @@ def bench(
     else:
         loaded, _ = load_with_status(err, model, device, dtype, device_map)
     with err.status("Measuring...") as status:
-        result = run_bench(loaded, FILLER.read_text(encoding="utf-8"), lengths, budgets, window=window,
-                           kernel=kernel, pooling=pooling, query_aware=query_aware, decode_tokens=decode_tokens,
+        result = run_bench(loaded, lengths, budgets, settings=settings, decode_tokens=decode_tokens,
                            repeats=repeats,
                            allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
                            on_row=lambda row: status.update(f"Measured {row.method} at {row.length} tokens..."))

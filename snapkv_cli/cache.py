@@ -9,7 +9,7 @@ from rich.table import Table
 from snapkv.errors import ConfigError
 from snapkv.store import CacheStore
 
-from .common import inert, stdout_console
+from .render import inert, stdout_console
 
 app = typer.Typer(help="List and delete the saved caches in the store.", no_args_is_help=True)
 

@@ -4,30 +4,38 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Optional
+from enum import Enum
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from snapkv.bench import parse_length
+from snapkv.config import DEFAULTS
 from snapkv.errors import ConfigError
 from snapkv.evaluation import EvalSetting, NeedleResult, many_questions, needle_grid
+from snapkv.sizes import parse_size, parse_sizes
 
-from .common import (DeviceOption, DtypeOption, KernelOption, ModelOption, PoolingOption, WindowOption,
-                     int_list, load_with_status, pyplot, stderr_console, stdout_console)
+from .options import (BudgetsOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
+                      PoolingOption, WindowOption, settings_from)
+from .render import load_with_status, pyplot, stderr_console, stdout_console
 
-FILLER = Path(__file__).resolve().parent.parent / "samples" / "essays.txt"
 app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True)
-ModesOption = typer.Option("query-aware,document-window",
-                           help="SnapKV modes to compare with the full cache: query-aware, document-window.")
 
 
-def _settings(budgets: str, modes: str, window: int, kernel: int, pooling: str) -> list[EvalSetting]:
-    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
-    unknown = set(chosen) - {"query-aware", "document-window"}
-    if unknown:
-        raise ConfigError(f"unknown mode(s) {', '.join(sorted(unknown))}: use query-aware, document-window")
-    return EvalSetting.grid(int_list(budgets, "--budgets"), window=window, kernel=kernel, pooling=pooling, modes=chosen)
+class EvalMode(str, Enum):
+    query_aware = "query-aware"
+    document_window = "document-window"
+
+
+ModesOption = Annotated[list[EvalMode], typer.Option(
+    "--mode", "--modes", help="SnapKV modes to compare with the full cache (repeat the option for several).")]
+BOTH_MODES = [EvalMode.query_aware, EvalMode.document_window]
+
+
+def _settings(budgets: str, modes: list[EvalMode], window: int, kernel: int, pooling: str) -> list[EvalSetting]:
+    base = settings_from(DEFAULTS.budget, window, kernel, pooling)
+    chosen = tuple(dict.fromkeys(mode.value for mode in modes))
+    return EvalSetting.grid(parse_sizes(budgets, name="--budget"), base, modes=chosen)
 
 
 def _heatmaps(result: NeedleResult, folder: Path) -> list[Path]:
@@ -52,22 +60,23 @@ def _heatmaps(result: NeedleResult, folder: Path) -> list[Path]:
 
 @app.command()
 def needle(
-    lengths: str = typer.Option("1k,2k,4k,7k", help="Document lengths in tokens, comma-separated (k = 1024)."),
-    depths: str = typer.Option("0,10,20,30,40,50,60,70,80,90,100", help="Needle depths in percent."),
-    budgets: str = typer.Option("512,1024", help="SnapKV budgets, comma-separated."),
-    modes: str = ModesOption,
+    lengths: LengthsOption = "1k,2k,4k,7k",
+    depths: str = typer.Option("0,10,20,30,40,50,60,70,80,90,100", help="Needle depths in percent, comma-separated."),
+    budgets: BudgetsOption = "512,1024",
+    modes: ModesOption = BOTH_MODES,
     model: ModelOption = None,
-    window: WindowOption = 32,
-    kernel: KernelOption = 15,
-    pooling: PoolingOption = "max",
+    window: WindowOption = DEFAULTS.window,
+    kernel: KernelOption = DEFAULTS.kernel,
+    pooling: PoolingOption = DEFAULTS.pooling,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    plot_dir: Optional[Path] = typer.Option(None, help="Write one heatmap PNG per setting here."),
+    plot_dir: Optional[Path] = typer.Option(None, "--plot", "--plot-dir",
+                                            help="Write one heatmap PNG per setting into this folder."),
 ) -> None:
     """The paper's needle-in-a-haystack grid: full cache vs SnapKV, per length and depth."""
-    length_values = [parse_length(part) for part in lengths.split(",") if part.strip()]
-    depth_values = [d / 100 for d in int_list(depths, "--depths")]
+    length_values = parse_sizes(lengths, name="--length", minimum=16)
+    depth_values = [d / 100 for d in parse_sizes(depths, name="--depths", minimum=0)]
     if any(not 0 <= d <= 1 for d in depth_values):
         raise ConfigError("--depths are percentages from 0 to 100")
     settings = _settings(budgets, modes, window, kernel, pooling)
@@ -77,7 +86,7 @@ def needle(
     if too_long:
         raise ConfigError(f"{loaded.name} holds {loaded.context_length} tokens; lengths {too_long} leave no room")
     with err.status("Evaluating...") as status:
-        result = needle_grid(loaded, FILLER.read_text(encoding="utf-8"), length_values, depth_values, settings,
+        result = needle_grid(loaded, length_values, depth_values, settings,
                              on_cell=lambda name, n, d: status.update(f"{name}: {n} tokens, depth {d:.0%}"))
     written = _heatmaps(result, plot_dir) if plot_dir else []
     if as_json:
@@ -99,14 +108,14 @@ def needle(
 
 @app.command()
 def multi(
-    tokens: str = typer.Option("4k", help="Document length in tokens (k = 1024)."),
+    tokens: str = typer.Option("4k", "--length", "--tokens", help="Document length in tokens: 4000, 4k (k = 1024)."),
     facts: int = typer.Option(8, min=1, max=10, help="How many different facts the document holds."),
-    budgets: str = typer.Option("512,1024", help="SnapKV budgets, comma-separated."),
-    modes: str = ModesOption,
+    budgets: BudgetsOption = "512,1024",
+    modes: ModesOption = BOTH_MODES,
     model: ModelOption = None,
-    window: WindowOption = 32,
-    kernel: KernelOption = 15,
-    pooling: PoolingOption = "max",
+    window: WindowOption = DEFAULTS.window,
+    kernel: KernelOption = DEFAULTS.kernel,
+    pooling: PoolingOption = DEFAULTS.pooling,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -116,7 +125,7 @@ def multi(
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
     with err.status("Evaluating...") as status:
-        result = many_questions(loaded, FILLER.read_text(encoding="utf-8"), parse_length(tokens), facts, settings,
+        result = many_questions(loaded, parse_size(tokens, name="--length", minimum=16), facts, settings,
                                 on_answer=lambda name, fact: status.update(f"{name}: {fact.question}"))
     if as_json:
         data = dataclasses.asdict(result)

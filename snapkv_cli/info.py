@@ -8,25 +8,27 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from snapkv.cachefile import load_cache, per_question_of, read_metadata, recorded_sources
 from snapkv.documents import read_sources, stale_sources
 from snapkv.errors import IncompatibleCacheError
-from snapkv.store import load_cache, read_metadata, recorded_sources
 
-from .common import PasswordOption, inert, stderr_console, stdout_console
+from .options import PasswordOption
+from .render import inert, stderr_console, stdout_console
 
 
 def describe(path: Path) -> dict:
     """The metadata plus sizes and per-layer kept counts (the file is fully validated)."""
-    metadata = read_metadata(path)
-    cache, _ = load_cache(path)
-    kept = [k.shape[1] for k in cache.keys]
+    cache, metadata = load_cache(path)
+    per_question = per_question_of(path, metadata)
     return {
+        **metadata,
         "path": str(path),
         "file_bytes": path.stat().st_size,
         "kv_bytes": cache.kv_bytes,
         "kv_bytes_full": cache.full_kv_bytes(),
-        "kept_per_layer": kept,
-        **metadata,
+        "kept_per_layer": [k.shape[1] for k in cache.keys],
+        "held": cache.tier.describe(),
+        "answered_with": per_question.describe() if per_question else "the cache as it is",
     }
 
 
@@ -71,7 +73,9 @@ def show(data: dict) -> None:
     kept = data["kept_per_layer"]
     table.add_row("prompt", f"{data['original_length']} tokens")
     table.add_row("kept", f"{min(kept)}-{max(kept)} per KV head per layer, {len(kept)} layers")
-    table.add_row("mode", f"{data.get('mode')}, stored tier {data.get('stored') or 'whole prompt'}")
+    table.add_row("mode", inert(str(data.get("mode"))))
+    table.add_row("holds", inert(data["held"]))
+    table.add_row("answers", inert(f"per question: {data['answered_with']}"))
     table.add_row("KV memory", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB full")
     producer = data.get("producer", {})
     created = datetime.datetime.fromtimestamp(data.get("created", 0)).strftime("%Y-%m-%d %H:%M")

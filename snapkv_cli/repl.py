@@ -8,19 +8,21 @@ from typing import Iterator
 
 import typer
 
-from snapkv.config import SnapKVConfig
+from snapkv.cachefile import SUFFIX
+from snapkv.config import DEFAULTS
 from snapkv.documents import read_sources
 from snapkv.errors import SnapKVError
 from snapkv.generation import Sampling
 from snapkv.paths import snapkv_home
 from snapkv.session import Session
-from snapkv.store import SUFFIX, CacheStore
+from snapkv.store import CacheStore
 
 from .ask import stream_answer
-from .common import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption, PasswordOption,
-                     PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption, WindowOption,
-                     load_file_with_status, load_with_status, prepare_with_progress, report, stats_table, stderr_console,
-                     stdout_console)
+from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
+                      PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption, WindowOption,
+                      explicit_settings, settings_from)
+from .render import (load_file_with_status, load_with_status, prepare_with_progress, report, stats_table,
+                     stderr_console, stdout_console)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
   /help              this text
@@ -66,13 +68,14 @@ def _questions(lines: Iterator[str]) -> Iterator[str]:
 
 
 def repl(
+    ctx: typer.Context,
     source: str = typer.Argument(..., help="A document, a folder of them, or a saved .snapkv cache."),
     model: ModelOption = None,
-    budget: BudgetOption = 1024,
-    window: WindowOption = 32,
-    kernel: KernelOption = 15,
-    pooling: PoolingOption = "max",
-    query_aware: QueryAwareOption = True,
+    budget: BudgetOption = DEFAULTS.budget,
+    window: WindowOption = DEFAULTS.window,
+    kernel: KernelOption = DEFAULTS.kernel,
+    pooling: PoolingOption = DEFAULTS.pooling,
+    query_aware: QueryAwareOption = DEFAULTS.query_aware,
     no_store: bool = typer.Option(False, "--no-store", help="Neither look up nor save the document's cache."),
     skip_digest: SkipDigestOption = False,
     truncate: TruncateOption = None,
@@ -88,14 +91,15 @@ def repl(
     With stdin not a terminal, each line of stdin is a question (or a /command), so scripts can drive it.
     """
     err, out = stderr_console(), stdout_console()
-    settings = SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling, query_aware=query_aware)
+    settings = settings_from(budget, window, kernel, pooling, query_aware)
     from_file = source.endswith(SUFFIX)
     document = None if from_file else read_sources(source, password)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
                       truncate=truncate)
-    prepared = (load_file_with_status(err, session, source) if from_file
+    prepared = (load_file_with_status(err, session, source, explicit_settings(ctx)) if from_file
                 else prepare_with_progress(err, session, document))
+    last_cut = prepared.per_question or settings.cut  # what /query-aware on and /budget start from
     answers = []
     interactive = sys.stdin.isatty()
     err.print(f"{prepared.tokens} tokens ready ({'loaded' if prepared.hit else 'prefilled'}). /help for commands.",
@@ -113,14 +117,15 @@ def repl(
                 elif command == "/help":
                     err.print(HELP, markup=False)
                 elif command == "/stats":
-                    err.print(stats_table(report(session, prepared, answers, {"model_load_seconds": model_load_seconds})))
+                    err.print(stats_table(report(loaded, prepared, answers, {"model_load_seconds": model_load_seconds})))
                 elif command == "/budget":
-                    session.settings = dataclasses.replace(session.settings, budget=int(argument))
-                    err.print(f"budget {session.settings.budget}", markup=False)
+                    last_cut = dataclasses.replace(last_cut, budget=int(argument))
+                    prepared = prepared.answering_with(last_cut)
+                    err.print(f"budget {last_cut.budget} (query-aware on)", markup=False)
                 elif command == "/query-aware":
                     if argument not in ("on", "off"):
                         raise ValueError("say /query-aware on or /query-aware off")
-                    session.settings = dataclasses.replace(session.settings, query_aware=argument == "on")
+                    prepared = prepared.answering_with(last_cut if argument == "on" else None)
                     err.print(f"query-aware {argument}", markup=False)
                 elif command == "/save":
                     if not argument.endswith(SUFFIX):
@@ -141,4 +146,4 @@ def repl(
             err.print(f"[answer stopped after {time.perf_counter() - started:.1f} s; the cache is unchanged]",
                       markup=False)
     if not interactive and answers:
-        err.print(stats_table(report(session, prepared, answers, {"model_load_seconds": model_load_seconds})))
+        err.print(stats_table(report(loaded, prepared, answers, {"model_load_seconds": model_load_seconds})))

@@ -4,12 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
-import snapkv.session as session_module
+from snapkv.cachefile import read_metadata
+from snapkv.errors import ConfigError, DocumentError
 from snapkv_cli.app import app
-from snapkv_cli.common import inert
+from snapkv_cli.render import inert
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 REVENUE = "What was the revenue for the 2023 financial year?"
@@ -26,19 +26,15 @@ def test_inert_text():
 @pytest.mark.slow
 def test_compress_info_and_cache_commands(home, tmp_path):
     output = tmp_path / "report.snapkv"
-    result = invoke("compress", str(SAMPLE), "--output", str(output), "--budget", "256")
+    result = invoke("compress", str(SAMPLE), "--output", str(output), "--budget", "256", "--no-query-aware")
     assert result.exit_code == 0, result.output
-    assert "kept per KV head per layer" in result.stderr and output.is_file()
+    assert "positions per KV head per layer" in result.stderr and output.is_file()
     described = json.loads(invoke("info", str(output), "--json").stdout)
     assert described["mode"] == "document-window" and max(described["kept_per_layer"]) == 256
+    assert described["tier"]["cut"]["budget"] == 256 and described["per_question"] is None
     assert described["sources"][0]["name"] == str(SAMPLE)
     human = invoke("info", str(output))
     assert "SmolLM2-135M-Instruct" in human.stdout and "document-window" in human.stdout
-    # a query-aware tier saved by compress answers questions without the document
-    tier = tmp_path / "tier.snapkv"
-    assert invoke("compress", str(SAMPLE), "--output", str(tier), "--query-aware").exit_code == 0
-    answered = invoke("ask", str(tier), REVENUE, "--json", "--budget", "256")
-    assert "184.6" in json.loads(answered.stdout)["answers"][0]["answer"]
     # the store: one entry from an ask, listed, removed; clear
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
     entries = json.loads(invoke("cache", "list", "--json").stdout)
@@ -48,6 +44,62 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     assert json.loads(invoke("cache", "list", "--json").stdout) == []
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
     assert "removed 1" in invoke("cache", "clear", "--yes").stdout
+
+
+def answered(*args) -> dict:
+    result = invoke("ask", *args, "--json", "--max-new-tokens", "24")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--budget", "256"], ["--budget", "256", "--no-query-aware"]],
+                         ids=["query-aware", "document-window"])
+def test_compress_then_ask_the_file_answers_as_ask_the_document(home, tmp_path, flags):
+    saved = tmp_path / "report.snapkv"
+    assert invoke("compress", str(SAMPLE), "-o", str(saved), *flags).exit_code == 0
+    from_document = answered(str(SAMPLE), REVENUE, *flags, "--no-store")
+    from_file = answered(str(saved), REVENUE)  # no flags: the file says how it is answered
+    assert from_file["answers"][0]["answer"] == from_document["answers"][0]["answer"]
+    if "--no-query-aware" not in flags:  # a document-window cut at 256 loses this answer, by either road
+        assert "184.6" in from_file["answers"][0]["answer"]
+    for key in ("mode", "kept_tokens", "stored_tokens", "budget", "kernel"):
+        assert from_file["compression"][key] == from_document["compression"][key], key
+
+
+@pytest.mark.slow
+def test_asking_a_file_with_flags_that_contradict_it(home, tmp_path):
+    wide, narrow = tmp_path / "wide.snapkv", tmp_path / "narrow.snapkv"
+    assert invoke("compress", str(SAMPLE), "-o", str(wide), "--budget", "512").exit_code == 0
+    assert invoke("compress", str(SAMPLE), "-o", str(narrow), "--budget", "512", "--no-query-aware").exit_code == 0
+    # a smaller per-question budget is applied: the whole-prompt tier is cut to it per question
+    smaller = answered(str(wide), REVENUE, "--budget", "256")
+    assert smaller["compression"]["kept_tokens"] == 256 and smaller["compression"]["mode"] == "query-aware"
+    # a document-window file asked with a smaller budget is cut further per question, and says so
+    result = invoke("ask", str(narrow), REVENUE, "--budget", "256", "--max-new-tokens", "4")
+    assert result.exit_code == 0 and "cuts it further" in result.stderr
+    # more than the file holds, or a mode the file cannot give: refused, naming both
+    with pytest.raises(ConfigError, match=r"holds a document-window cache.*512.*--budget 1024 asks for more"):
+        invoke("ask", str(narrow), REVENUE, "--budget", "1024", "--query-aware")
+    with pytest.raises(ConfigError, match=r"holds a query-aware cache \(whole prompt.*--no-query-aware asks for a "
+                                          r"document-window cache"):
+        invoke("ask", str(wide), REVENUE, "--no-query-aware")
+    with pytest.raises(ConfigError, match=r"holds a document-window cache.*--no-compress asks for the full cache"):
+        invoke("ask", str(narrow), REVENUE, "--no-compress")
+
+
+@pytest.mark.slow
+def test_the_repl_saves_what_the_cache_holds(home, tmp_path):
+    """/query-aware off on a whole-prompt cache, then /save: the file says it holds the whole prompt,
+    answered as it is (not a 1024 budget it never had)."""
+    saved = tmp_path / "after.snapkv"
+    result = invoke("repl", str(SAMPLE), input=f"/query-aware off\n/save {saved}\n/exit\n")
+    assert result.exit_code == 0, result.output
+    described = json.loads(invoke("info", str(saved), "--json").stdout)
+    assert described["mode"] == "full" and described["tier"]["cut"] is None and described["per_question"] is None
+    assert min(described["kept_per_layer"]) == described["original_length"]
+    human = invoke("info", str(saved)).stdout
+    assert "whole prompt" in human and "the cache as it is" in human and "1024" not in human
 
 
 def test_compress_refuses_to_overwrite_a_foreign_file(home, tmp_path):
@@ -73,32 +125,28 @@ def test_repl_through_stdin(home, tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, monkeypatch):
-    real_answer, real_prepare = session_module.answer, session_module.Session.prepare
-    calls, prepared_seen = [], []
+def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, tmp_path, monkeypatch):
+    """Ctrl-C at the third decoded token of the first answer; the REPL goes on, and the cache it saves
+    afterwards is bit for bit the one saved to the store before any answer."""
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    def interrupted_once(*args, **kwargs):
-        calls.append(1)
-        for count, token in enumerate(real_answer(*args, **kwargs)):
-            if len(calls) == 1 and count == 3:
+    real_forward, decode_steps = LlamaForCausalLM.forward, []
+
+    def forward(self, *args, **kwargs):
+        if kwargs["input_ids"].shape[1] == 1:  # one new token: a decode step
+            decode_steps.append(1)
+            if len(decode_steps) == 3:
                 raise KeyboardInterrupt
-            yield token
+        return real_forward(self, *args, **kwargs)
 
-    def capture(self, document):
-        prepared = real_prepare(self, document)
-        cache = prepared.cache
-        prepared_seen.append((prepared, [t.clone() for t in cache.keys + cache.values + cache.positions]))
-        return prepared
-
-    monkeypatch.setattr(session_module, "answer", interrupted_once)
-    monkeypatch.setattr(session_module.Session, "prepare", capture)
-    result = invoke("repl", str(SAMPLE), input=f"{REVENUE}\n{REVENUE}\n")
+    monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    after = tmp_path / "after.snapkv"
+    result = invoke("repl", str(SAMPLE), input=f"{REVENUE}\n{REVENUE}\n/save {after}\n")
     assert result.exit_code == 0, result.output
     assert "answer stopped" in result.stderr
     assert "184.6" in result.stdout  # the second, uninterrupted answer
-    prepared, snapshot = prepared_seen[0]
-    after = prepared.cache.keys + prepared.cache.values + prepared.cache.positions
-    assert all(torch.equal(a, b) for a, b in zip(after, snapshot))
+    [stored] = (home / "caches").glob("*.snapkv")
+    assert read_metadata(after)["payload_sha256"] == read_metadata(stored)["payload_sha256"]
 
 
 @pytest.mark.slow
@@ -109,8 +157,20 @@ def test_ask_shows_markup_and_escapes_inert(home):
     assert "[bold red]loud[/bold red]" in result.stderr and "\x1b[2J" not in result.stderr
 
 
-def test_document_longer_than_the_context_is_refused_or_cut(home, tmp_path):
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["start", "middle", "end"])
+def test_document_longer_than_the_context_is_refused_or_cut(home, tmp_path, side):
     long_document = tmp_path / "long.txt"
     long_document.write_text(SAMPLE.read_text() * 10)
-    with pytest.raises(Exception, match=r"holds 8192 tokens.*--truncate"):
+    with pytest.raises(DocumentError, match=r"holds 8192 tokens.*--truncate"):
         invoke("ask", str(long_document), "q", "--no-store")
+    result = invoke("ask", str(long_document), REVENUE, "--truncate", side, "--json", "--max-new-tokens", "4")
+    assert result.exit_code == 0, result.output
+    assert f"cut by" in result.stderr and f"({side})" in result.stderr
+    report = json.loads(result.stdout)
+    assert report["document"]["tokens"] == 8192 - 128 and report["document"]["truncated_tokens"] > 0
+    # the saved file records the cut, and `info` says what was cut
+    path = report["cache"]["path"]
+    assert read_metadata(path)["tier"]["truncation"] == {"side": side,
+                                                           "tokens": report["document"]["truncated_tokens"]}
+    assert f"at the {side}" in invoke("info", path).stdout

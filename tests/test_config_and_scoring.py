@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from snapkv.config import SnapKVConfig
+from snapkv.config import DEFAULTS, Cut, SnapKVConfig, Tier, Truncation
 from snapkv.errors import ConfigError
+from snapkv.methods import SnapKV, method_from_dict, method_to_dict
 from snapkv.scoring import gather_positions, kept_indices, mean_over_query_groups, pool_scores, window_attention_scores
 
 
@@ -23,13 +24,40 @@ def test_bad_settings_are_refused(kwargs, message):
         SnapKVConfig(**kwargs)
 
 
-def test_stored_tier():
-    assert SnapKVConfig(query_aware=True).stored_tier is None
+def test_which_cut_at_prefill_and_which_per_question():
+    query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True)
+    assert query_aware.stored_tier is None and query_aware.mode == "query-aware"
+    assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"))
     tier = SnapKVConfig(budget=256, query_aware=True, store_budget=2048).stored_tier
-    assert tier.budget == 2048 and not tier.query_aware
+    assert tier == Cut(2048, 32, SnapKV())
     plain = SnapKVConfig(budget=256, query_aware=False)
-    assert plain.stored_tier == plain
-    assert plain.prefix_keep == 256 - 32
+    assert plain.stored_tier == Cut(256, 32, SnapKV()) and plain.per_question is None
+    assert plain.mode == "document-window" and plain.stored_tier.prefix_keep == 256 - 32
+
+
+def test_defaults_live_in_one_place():
+    assert (DEFAULTS.budget, DEFAULTS.window, DEFAULTS.kernel, DEFAULTS.pooling) == (1024, 32, 15, "max")
+    assert DEFAULTS.kernel == SnapKV().kernel and DEFAULTS.pooling == SnapKV().pooling
+    assert DEFAULTS.query_aware and DEFAULTS.method == SnapKV.name
+
+
+def test_cuts_and_tiers_round_trip_through_their_dicts():
+    cut = Cut(512, 16, SnapKV(kernel=9, pooling="avg"))
+    assert cut.to_dict() == {"budget": 512, "window": 16, "method": "snapkv", "kernel": 9, "pooling": "avg"}
+    assert Cut.from_dict(cut.to_dict()) == cut
+    tier = Tier(cut, Truncation("middle", 300))
+    assert Tier.from_dict(tier.to_dict()) == tier and Tier.from_dict(Tier().to_dict()) == Tier()
+    assert "middle" in tier.describe() and "300" in tier.describe() and Tier().describe() == "whole prompt"
+
+
+def test_methods_are_named_and_unknown_ones_refused():
+    assert method_from_dict(method_to_dict(SnapKV(kernel=5))) == SnapKV(kernel=5)
+    with pytest.raises(ConfigError, match="unknown compression method 'h2o'"):
+        method_from_dict({"method": "h2o"})
+    with pytest.raises(ConfigError, match="not understood"):
+        method_from_dict({"method": "snapkv", "colour": "blue"})
+    with pytest.raises(ConfigError, match="method"):
+        SnapKVConfig(method="h2o")
 
 
 def test_window_scores_are_a_causal_softmax():

@@ -7,7 +7,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from conftest import VOCAB, build_tiny
 from snapkv.architectures import attention_layers
 from snapkv.compress import CompressionPlan, compressing
-from snapkv.config import SnapKVConfig
+from snapkv.config import Cut, SnapKVConfig
+from snapkv.methods import SnapKV
 from snapkv.errors import UnsupportedModelError
 from snapkv.generation import answer, prefill
 
@@ -30,7 +31,7 @@ def assert_caches_equal(a, b) -> None:
 
 def test_compressed_shapes(tiny_model):
     config = SnapKVConfig(budget=40, window=8, query_aware=False)
-    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 1), config)
+    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 1), config.stored_tier)
     text = tiny_model.config
     kv_heads = text.num_key_value_heads
     compressible = compressible_indices(tiny_model)
@@ -51,7 +52,7 @@ def test_compressed_shapes(tiny_model):
 def test_hooks_are_removed(tiny_model):
     modules = [layer.module for layer in attention_layers(tiny_model)]
     before = [len(m._forward_hooks) for m in modules]
-    plan = CompressionPlan(prefix_keep=8, window=4, kernel=3, pooling="max")
+    plan = CompressionPlan(Cut(budget=12, window=4, method=SnapKV(kernel=3, pooling="max")), window=4)
     with compressing(tiny_model, plan):
         assert sum(len(m._forward_hooks) for m in modules) == len(compressible_indices(tiny_model))
     assert [len(m._forward_hooks) for m in modules] == before
@@ -98,7 +99,7 @@ def test_kept_positions_match_plain_reference(name):
     with torch.no_grad():
         attentions = model(ids.unsqueeze(0), output_attentions=True).attentions
     cache = prefill(model, ids, SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling="avg",
-                                             query_aware=False))
+                                             query_aware=False).stored_tier)
     for index in compressible_indices(model):
         expected = reference_selection(attentions[index][0], model.config.num_key_value_heads,
                                        window, budget, kernel, "avg")
@@ -107,7 +108,7 @@ def test_kept_positions_match_plain_reference(name):
 
 def test_window_always_kept_and_positions_sorted(tiny_model):
     config = SnapKVConfig(budget=24, window=10, kernel=5, pooling="max", query_aware=False)
-    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 3), config)
+    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 3), config.stored_tier)
     window = torch.arange(PROMPT_LENGTH - config.window, PROMPT_LENGTH)
     for positions in cache.positions:
         for head in positions:
@@ -125,7 +126,7 @@ def test_kept_keys_are_the_top_scoring_ones():
         full = prefill(model, ids, None)
         attentions = model(ids.unsqueeze(0), output_attentions=True).attentions
     config = SnapKVConfig(budget=24, window=8, kernel=5, pooling="max", query_aware=False)
-    cache = prefill(model, ids, config)
+    cache = prefill(model, ids, config.stored_tier)
     for index in range(model.config.num_hidden_layers):
         weights = attentions[index][0]  # (q_heads, n, n)
         votes = weights[:, -config.window :, : 64 - config.window].sum(dim=1, keepdim=False).unsqueeze(0)
@@ -144,12 +145,12 @@ def test_kept_keys_are_the_top_scoring_ones():
 def test_budget_at_least_prompt_matches_full_cache_and_generate(tiny_model):
     ids, question = random_ids(40, 5), random_ids(6, 6)
     full = prefill(tiny_model, ids, None)
-    whole = prefill(tiny_model, ids, SnapKVConfig(budget=64, window=8, query_aware=False))
+    whole = prefill(tiny_model, ids, Cut(budget=64, window=8))
     assert not whole.compressed
     assert_caches_equal(full, whole)
     ours = list(answer(tiny_model, whole, question, max_new_tokens=12))
     per_question = list(answer(tiny_model, full, question, max_new_tokens=12,
-                               per_question=SnapKVConfig(budget=64, window=8)))
+                               per_question=Cut(budget=64, window=8)))
     prompt = torch.cat([ids, question]).unsqueeze(0)
     reference = tiny_model.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12,
                                     attention_mask=torch.ones_like(prompt))[0, prompt.shape[1]:].tolist()
@@ -163,7 +164,7 @@ def test_cache_unchanged_by_answers_and_questions_independent(tiny_model, query_
     cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 7), config.stored_tier)
     snapshot = type(cache)([k.clone() for k in cache.keys], [v.clone() for v in cache.values],
                            [p.clone() for p in cache.positions], cache.original_length, cache.token_ids)
-    per_question = config if query_aware else None
+    per_question = config.per_question
     first, second = random_ids(5, 8), random_ids(7, 9)
     alone_first = list(answer(tiny_model, cache, first, per_question=per_question, max_new_tokens=8))
     assert_caches_equal(cache, snapshot)
@@ -195,17 +196,17 @@ def test_query_aware_pass_keeps_the_budget_and_the_question():
 
     handles = [layer.module.register_forward_pre_hook(record, with_kwargs=True) for layer in attention_layers(model)]
     try:
-        list(answer(model, cache, question, per_question=config, max_new_tokens=2))
+        list(answer(model, cache, question, per_question=config.per_question, max_new_tokens=2))
     finally:
         for handle in handles:
             handle.remove()
     # the question pass starts on the whole prompt; the first decode step finds the layer cut
-    assert set(tuple(v) for v in lengths.values()) == {(PROMPT_LENGTH, config.prefix_keep + question.shape[0])}
+    assert set(tuple(v) for v in lengths.values()) == {(PROMPT_LENGTH, config.cut.prefix_keep + question.shape[0])}
 
 
 def test_positions_continue_at_original_length():
     model = build_tiny("llama-gqa")
-    cache = prefill(model, random_ids(PROMPT_LENGTH, 12), SnapKVConfig(budget=24, window=8, query_aware=False))
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 12), Cut(budget=24, window=8))
     seen = []
     hook = model.model.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(kwargs["position_ids"][0].tolist()), with_kwargs=True
@@ -221,7 +222,7 @@ def test_positions_continue_at_original_length():
 def test_short_prompts_are_left_whole(tiny_model):
     config = SnapKVConfig(budget=40, window=32, query_aware=False)
     for length in (1, 5, 32, 40):
-        cache = prefill(tiny_model, random_ids(length, length), config)
+        cache = prefill(tiny_model, random_ids(length, length), config.stored_tier)
         assert not cache.compressed
         assert cache.original_length == length
 
@@ -229,7 +230,7 @@ def test_short_prompts_are_left_whole(tiny_model):
 def test_unsupported_architecture_is_refused():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)).eval()
     with pytest.raises(UnsupportedModelError, match="gpt2"):
-        prefill(model, torch.arange(10), SnapKVConfig(budget=8, window=2, query_aware=False))
+        prefill(model, torch.arange(10), Cut(budget=8, window=2))
     with pytest.raises(UnsupportedModelError):
         attention_layers(model)
 

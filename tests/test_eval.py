@@ -6,14 +6,12 @@ import pytest
 from typer.testing import CliRunner
 
 from snapkv.evaluation import multi_fact_document
+from snapkv.haystack import filler_text
 from snapkv_cli.app import app
 
 
 def test_multi_fact_document_holds_every_fact(embedded):
-    from pathlib import Path
-
-    filler = (Path(__file__).parent.parent / "samples" / "essays.txt").read_text()
-    text, facts = multi_fact_document(embedded.tokenizer, filler, 1500, 5)
+    text, facts = multi_fact_document(embedded.tokenizer, filler_text(), 1500, 5)
     assert len({fact.number for fact in facts}) == 5
     positions = [text.index(fact.sentence) for fact in facts]
     assert positions == sorted(positions)  # spread through the document in order
@@ -48,7 +46,8 @@ def test_many_questions_from_one_saved_cache(home):
 def test_bad_eval_options(home):
     from snapkv.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="unknown mode"):
-        CliRunner().invoke(app, ["eval", "multi", "--modes", "psychic"], catch_exceptions=False)
+    unknown = CliRunner().invoke(app, ["eval", "multi", "--modes", "psychic"])
+    assert unknown.exit_code == 2  # a usage error, listing the modes there are
+    assert "psychic" in unknown.output and "query-aware" in unknown.output and "document-window" in unknown.output
     with pytest.raises(ConfigError, match="depths"):
         CliRunner().invoke(app, ["eval", "needle", "--depths", "150"], catch_exceptions=False)

@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import snapkv.session as session_module
 import snapkv.store as store_module
 from snapkv.config import SnapKVConfig
 from snapkv.documents import Document
 from snapkv.errors import StorageError
 from snapkv.session import Session
-from snapkv.store import load_cache, save_cache
+from snapkv.cachefile import load_cache, save_cache
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 DOCUMENT = Document(" ".join(f"Entry {i}: the harbour log notes calm water." for i in range(40)))
@@ -28,24 +27,27 @@ def store_files(home: Path) -> list[Path]:
     return sorted(p for p in caches.rglob("*") if p.suffix != ".lock") if caches.exists() else []
 
 
-def interrupting_prefill(real_prefill, after_layer: int, error: BaseException):
-    """prefill that raises `error` once `after_layer` layers have run, as Ctrl-C or an OOM would."""
-    def run(model, ids, tier, on_layer=None):
-        def hook(done, total):
-            if on_layer:
-                on_layer(done, total)
-            if done == after_layer:
-                raise error
-        return real_prefill(model, ids, tier, on_layer=hook)
-    return run
+def interrupt_attention(monkeypatch, after_layer: int, error: BaseException) -> None:
+    """Llama attention layers raise `error` in the first forward's layer `after_layer` (1-based), as Ctrl-C
+    or a failed allocation would in the middle of a prefill; the later forwards run normally."""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    real_forward, calls = LlamaAttention.forward, []
+
+    def forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == after_layer:
+            raise error
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", forward)
 
 
 # ------------------------------------------------------------------------------------ Ctrl-C
 
 @pytest.mark.slow
 def test_ctrl_c_during_prefill_saves_nothing(home, cli, monkeypatch):
-    monkeypatch.setattr(session_module, "prefill",
-                        interrupting_prefill(session_module.prefill, 5, KeyboardInterrupt()))
+    interrupt_attention(monkeypatch, 5, KeyboardInterrupt())
     result = cli("ask", SAMPLE, "What was the revenue?")
     assert result.code == 130 and "interrupted" in result.stderr and "Traceback" not in result.stderr
     assert store_files(home) == []
@@ -74,7 +76,7 @@ def test_failed_save_keeps_the_old_file(tiny_loaded, tmp_path, monkeypatch, erro
 
     monkeypatch.setattr(safetensors.torch, "save_file", _partial_then(error))
     with pytest.raises(expected) as raised:
-        save_cache(path, prepared.cache, {"again": True})
+        save_cache(path, prepared.cache)
     if expected is StorageError:
         assert "disk is full" in str(raised.value) and "earlier file there is intact" in str(raised.value)
     assert path.read_bytes() == before
@@ -124,7 +126,7 @@ def test_preflight_refuses_what_cannot_fit(home, cli, monkeypatch):
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB"),
                                    RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried 9 GB")])
 def test_real_out_of_memory_is_reported(home, cli, monkeypatch, error):
-    monkeypatch.setattr(session_module, "prefill", interrupting_prefill(session_module.prefill, 3, error))
+    interrupt_attention(monkeypatch, 3, error)
     result = cli("ask", SAMPLE, "What was the revenue?")
     assert result.code == 6 and "ran out of memory prefilling" in result.stderr
     assert "Traceback" not in result.stderr and store_files(home) == []

@@ -16,7 +16,7 @@ from conftest import build_tiny
 from snapkv.documents import read_file
 from snapkv.errors import CacheFileError, DocumentError, IncompatibleCacheError
 from snapkv.generation import prefill
-from snapkv.store import load_cache, save_cache
+from snapkv.cachefile import load_cache, save_cache
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                       HealthCheck.too_slow])
@@ -27,7 +27,7 @@ def cache_bytes(tmp_path_factory) -> bytes:
     model = build_tiny("llama-gqa")
     cache = prefill(model, torch.arange(3, 60), None)
     path = tmp_path_factory.mktemp("fuzz") / "seed.snapkv"
-    save_cache(path, cache, {"fuzz": True})
+    save_cache(path, cache)
     return path.read_bytes()
 
 

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.config import SnapKVConfig
+from snapkv.config import Cut, SnapKVConfig
 from snapkv.generation import answer, prefill
 from snapkv.memory import PeakMemory, estimate_prefill
-from snapkv.store import load_cache, save_cache
+from snapkv.cachefile import load_cache, save_cache
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 IDS = torch.arange(3, 803) % 250 + 3  # (800,)
-SETTINGS = SnapKVConfig(budget=128, window=16)
+SETTINGS = Cut(128, 16)
 
 
 def kept_agreement(a, b) -> float:
@@ -62,7 +62,7 @@ def test_model_split_between_gpu_and_cpu(tmp_path):
     assert kept_agreement(reference, cache) >= 0.99
     assert list(answer(split, cache, question, max_new_tokens=8)) == expected
     path = tmp_path / "split.snapkv"
-    save_cache(path, cache, {})
+    save_cache(path, cache)
     on_gpu, _ = load_cache(path, device="cuda")
     assert list(answer(model.to("cuda"), on_gpu, question, max_new_tokens=8)) == expected
 

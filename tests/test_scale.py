@@ -12,19 +12,19 @@ import torch
 from conftest import build_tiny
 from snapkv.architectures import feed_forward_modules
 from snapkv.chunking import chunked_feed_forward
-from snapkv.config import SnapKVConfig
+from snapkv.config import Cut, SnapKVConfig
 from snapkv.documents import Document
 from snapkv.errors import IncompatibleCacheError, OutOfMemoryError
 from snapkv.generation import answer, prefill
 from snapkv.memory import check_prefill_fits, estimate_prefill
 from snapkv.models import load_model
 from snapkv.session import Session
-from snapkv.store import load_cache, save_cache
+from snapkv.cachefile import load_cache, save_cache
 
 IDS = torch.arange(3, 203) % 250 + 3  # (200,) a prompt for the tiny models
 
 
-@pytest.mark.parametrize("settings", [None, SnapKVConfig(budget=64, window=8)], ids=["full", "snapkv"])
+@pytest.mark.parametrize("settings", [None, Cut(64, 8)], ids=["full", "snapkv"])
 def test_mlp_in_slices_gives_the_same_cache(tiny_model, settings):
     whole = prefill(tiny_model, IDS, settings)
     sliced = prefill(tiny_model, IDS, settings, chunk_tokens=16)
@@ -67,7 +67,7 @@ def test_estimate_counts_the_kv_exactly():
     per_token_layer = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, fp32
     full = estimate_prefill(model.config, 200, torch.float32, None)
     assert full.kv_bytes == prefill(model, IDS, None).kv_bytes == 3 * 200 * per_token_layer
-    tier = SnapKVConfig(budget=64, window=8)
+    tier = Cut(64, 8)
     compressed = estimate_prefill(model.config, 200, torch.float32, tier)
     cut = prefill(model, IDS, tier)
     # at the peak: the last layer's whole cache, the others already cut to the budget
@@ -81,7 +81,7 @@ def test_estimate_bounds_the_mlp_by_the_slice():
 
     shape = json.loads((Path(__file__).parent.parent / "samples" / "configs" / "llama-3.1-8b.json").read_text())
     config = AutoConfig.for_model(**shape)
-    tier = SnapKVConfig(budget=4096)
+    tier = Cut(4096, 32)
     sliced = estimate_prefill(config, 2**20, torch.bfloat16, tier, chunk_tokens=16384, device_type="cuda")
     whole = estimate_prefill(config, 2**20, torch.bfloat16, tier, chunk_tokens=2**20, device_type="cuda")
     mlp_whole = 2**20 * 2 * 3 * config.intermediate_size
@@ -129,9 +129,9 @@ def test_device_map_loads_and_caches_cross_layouts(tiny_folder, tmp_path):
 
 def test_cache_loads_into_another_layout_and_dtype(tmp_path):
     model = build_tiny("llama-gqa")
-    cache = prefill(model, IDS, SnapKVConfig(budget=64, window=8))
+    cache = prefill(model, IDS, Cut(64, 8))
     path = tmp_path / "c.snapkv"
-    save_cache(path, cache, {})
+    save_cache(path, cache)
     per_layer = [torch.device("cpu")] * 3
     moved, _ = load_cache(path, device=per_layer, dtype=torch.bfloat16)
     assert [k.device for k in moved.keys] == per_layer and moved.keys[0].dtype == torch.bfloat16

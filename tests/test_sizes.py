@@ -26,7 +26,7 @@ def answer_tokens(session: Session, document: Document, max_new_tokens: int = 8)
     prepared = session.prepare(document)
     stream = session.ask(prepared, "What flows?", max_new_tokens=max_new_tokens)
     "".join(stream)
-    if not session.settings.query_aware:  # compressed at prefill to the budget, or left whole when shorter
+    if prepared.mode == "document-window":  # compressed at prefill to the budget, or left whole when shorter
         assert prepared.cache.kept_tokens == min(BUDGET, prepared.tokens)
     return stream.result.new_tokens
 
@@ -64,7 +64,7 @@ def test_documents_around_the_context_are_refused_or_cut(tiny_loaded, offset):
         session_for(tiny_loaded, "query-aware").prepare(document)
     session = session_for(tiny_loaded, "query-aware", truncate="end")
     prepared = session.prepare(document)
-    assert session.truncated_tokens == context + offset - room(tiny_loaded)
+    assert prepared.tier.truncation.tokens == context + offset - room(tiny_loaded)
     assert prepared.tokens == context - QUESTION_ALLOWANCE
     # a long answer stops at the last position the model holds
     stream = session.ask(prepared, "What flows?", max_new_tokens=10_000)

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document
+from snapkv.cachefile import load_cache, read_metadata, save_cache
+from snapkv.config import Cut, SnapKVConfig
+from snapkv.documents import Document, Source
 from snapkv.errors import CacheFileError, IncompatibleCacheError
 from snapkv.generation import answer, prefill
 from snapkv.models import LoadedModel
 from snapkv.session import Session
-from snapkv.store import CacheStore, load_cache, read_metadata, save_cache
+from snapkv.store import CacheStore
 
 DOCUMENT = Document(" ".join(f"Paragraph {i} tells of rivers, bread and maps." for i in range(40)))
 
@@ -45,7 +46,8 @@ def test_round_trip_and_identical_answers(tiny_loaded, tmp_path):
     after = list(answer(tiny_loaded.model, loaded.cache, question, max_new_tokens=10))
     assert before == after
     metadata = read_metadata(prepared.path)
-    assert metadata["mode"] == "document-window" and metadata["stored"]["budget"] == 64
+    assert metadata["mode"] == "document-window" and metadata["tier"]["cut"]["budget"] == 64
+    assert metadata["per_question"] is None and metadata["tier"]["truncation"] is None
     assert metadata["original_length"] == prepared.cache.original_length
     assert metadata["model"]["name"] == "tiny-llama"
 
@@ -57,20 +59,28 @@ def test_file_size_is_close_to_the_tensors(tiny_loaded, tmp_path):
     assert tensors_bytes <= prepared.file_bytes <= tensors_bytes * 1.05 + 8192
 
 
-def test_second_prepare_is_a_hit_without_prefill(tiny_loaded, tmp_path, monkeypatch):
-    session, first = saved(tiny_loaded, tmp_path)
-    import snapkv.session as session_module
+def count_forwards(model) -> list:
+    """A list that grows by one at every forward pass of `model` (remove the hook with .handle.remove())."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda *args: calls.append(1))
+    return calls, handle
 
-    monkeypatch.setattr(session_module, "prefill", lambda *a, **k: pytest.fail("prefilled again"))
-    second = session.prepare(DOCUMENT)
-    assert second.hit and second.path == first.path
-    assert caches_equal(first.cache, second.cache)
-    entries = session.store.entries()
-    assert [e.path for e in entries] == [first.path] and entries[0].size == first.path.stat().st_size
-    # other settings are another entry
-    other = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, query_aware=False), store=session.store)
-    monkeypatch.setattr(session_module, "prefill", prefill)
-    assert not other.prepare(DOCUMENT).hit
+
+def test_second_prepare_is_a_hit_without_prefill(tiny_loaded, tmp_path):
+    session, first = saved(tiny_loaded, tmp_path)
+    forwards, handle = count_forwards(tiny_loaded.model)
+    try:
+        second = session.prepare(DOCUMENT)
+        assert forwards == []  # nothing ran through the model: the file was read
+        assert second.hit and second.path == first.path and second.prefill_seconds == 0
+        assert caches_equal(first.cache, second.cache)
+        entries = session.store.entries()
+        assert [e.path for e in entries] == [first.path] and entries[0].size == first.path.stat().st_size
+        # other settings are another entry
+        other = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, query_aware=False), store=session.store)
+        assert not other.prepare(DOCUMENT).hit and len(forwards) == 1
+    finally:
+        handle.remove()
     assert len(session.store.entries()) == 2
     assert session.store.remove(entries[0].key) and session.store.clear() == 1
     assert session.store.entries() == []
@@ -79,12 +89,15 @@ def test_second_prepare_is_a_hit_without_prefill(tiny_loaded, tmp_path, monkeypa
 def test_query_aware_saves_the_stored_tier(tiny_loaded, tmp_path):
     session, prepared = saved(tiny_loaded, tmp_path, SnapKVConfig(budget=32, window=8, store_budget=96))
     assert prepared.cache.kept_tokens == 96
-    assert read_metadata(prepared.path)["stored"]["budget"] == 96
+    metadata = read_metadata(prepared.path)
+    assert metadata["tier"]["cut"]["budget"] == 96 and metadata["per_question"]["budget"] == 32
+    assert metadata["mode"] == "query-aware"
     question = torch.tensor([9, 10, 11])
     reloaded = session.load_file(prepared.path)
-    config = session.settings
-    assert list(answer(tiny_loaded.model, prepared.cache, question, per_question=config, max_new_tokens=8)) == \
-        list(answer(tiny_loaded.model, reloaded.cache, question, per_question=config, max_new_tokens=8))
+    assert reloaded.per_question == prepared.per_question == Cut(32, 8)
+    cut = prepared.per_question
+    assert list(answer(tiny_loaded.model, prepared.cache, question, per_question=cut, max_new_tokens=8)) == \
+        list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
 
 
 def test_load_into_another_dtype(tiny_loaded, tmp_path):
@@ -99,7 +112,7 @@ def test_cache_of_another_model_is_refused(tiny_loaded, tmp_path, embedded):
     other_model = build_tiny("llama-gqa", seed=1)
     other_model.resize_token_embeddings(len(embedded.tokenizer))
     other = Session(LoadedModel(other_model, embedded.tokenizer, "tiny-llama-2", torch.device("cpu"), torch.float32),
-                    session.settings)
+                    None)
     with pytest.raises(IncompatibleCacheError, match="model weights"):
         other.load_file(prepared.path)
 
@@ -156,9 +169,9 @@ def test_newer_format_is_refused(tiny_loaded, tmp_path):
         load_cache(tmp_path / "new.snapkv")
 
 
-def _save_forever(path, cache, metadata):
+def _save_forever(path, cache):
     while True:
-        save_cache(path, cache, metadata)
+        save_cache(path, cache)
 
 
 def big_cache(tiny_loaded):
@@ -176,7 +189,7 @@ def test_sigkill_mid_save_never_leaves_a_partial_file(tiny_loaded, tmp_path):
     context = multiprocessing.get_context("fork")
     killed_mid_save = 0
     for attempt in range(30):
-        writer = context.Process(target=_save_forever, args=(path, cache, {"attempt": attempt}))
+        writer = context.Process(target=_save_forever, args=(path, cache))
         writer.start()
         time.sleep(0.15 + 0.037 * attempt)
         os.kill(writer.pid, signal.SIGKILL)
@@ -188,7 +201,7 @@ def test_sigkill_mid_save_never_leaves_a_partial_file(tiny_loaded, tmp_path):
         if killed_mid_save >= 3:
             break
     assert killed_mid_save >= 1, "no kill landed during a write: the test did not exercise what it claims"
-    save_cache(path, cache, {})  # the next save sweeps the temp files the killed writers left
+    save_cache(path, cache)  # the next save sweeps the temp files the killed writers left
     assert not list(path.parent.glob(".*.tmp"))
 
 
@@ -196,14 +209,15 @@ def test_four_concurrent_writers_end_with_one_valid_file(tiny_loaded, tmp_path):
     path = tmp_path / "store" / "shared.snapkv"
     cache = big_cache(tiny_loaded)
     context = multiprocessing.get_context("fork")
-    writers = [context.Process(target=save_cache, args=(path, cache, {"writer": i})) for i in range(4)]
+    writers = [context.Process(target=save_cache, args=(path, cache),
+                               kwargs={"sources": [Source(f"writer{i}", i, "0" * 64)]}) for i in range(4)]
     for writer in writers:
         writer.start()
     for writer in writers:
         writer.join()
         assert writer.exitcode == 0
     loaded, metadata = load_cache(path)
-    assert metadata["writer"] in range(4)
+    assert metadata["sources"][0]["name"] in {f"writer{i}" for i in range(4)}
     assert caches_equal(loaded, cache.to("cpu"))
     assert [p.name for p in path.parent.iterdir() if p.suffix != ".lock"] == ["shared.snapkv"]
 
@@ -212,7 +226,7 @@ def test_damaged_store_entry_is_rebuilt(tiny_loaded, tmp_path):
     session, first = saved(tiny_loaded, tmp_path)
     first.path.write_bytes(first.path.read_bytes()[:100])
     again = session.prepare(DOCUMENT)
-    assert not again.hit and "rebuilt" in again.note
+    assert not again.hit and "rebuilt" in " ".join(again.notes)
     assert caches_equal(session.load_file(again.path).cache, first.cache)
 
 
@@ -224,14 +238,16 @@ def test_truncation_fits_the_context(tiny_loaded, where):
     text = " ".join(f"w{i}" for i in range(1500))
     body = document_ids(tiny_loaded.tokenizer, text)
     with pytest.raises(DocumentError, match="--truncate"):
-        Session(tiny_loaded, None).prompt_ids(Document(text))
+        Session(tiny_loaded, None).prompt(Document(text))
     session = Session(tiny_loaded, None, truncate=where)
-    ids = session.prompt_ids(Document(text)).tolist()
+    prompt = session.prompt(Document(text))
+    ids = prompt.ids.tolist()
     assert len(ids) == 1024 - 128  # the context less the room kept for question and answer
-    short = Session(tiny_loaded, None).prompt_ids(Document("w1"))
+    short = Session(tiny_loaded, None).prompt(Document("w1")).ids
     template_tokens = len(short) - len(document_ids(tiny_loaded.tokenizer, "w1"))
-    assert session.truncated_tokens == len(body) - (len(ids) - template_tokens) > 0
-    kept = len(body) - session.truncated_tokens
+    assert prompt.truncation.side == where
+    assert prompt.truncation.tokens == len(body) - (len(ids) - template_tokens) > 0
+    kept = len(body) - prompt.truncation.tokens
     joined = ",".join(map(str, ids))
     if where == "start":
         assert ",".join(map(str, body[-kept:])) in joined
