@@ -14,11 +14,21 @@ from .config import DEFAULTS, Cut, SnapKVConfig, Tier, mode_of
 from .errors import ConfigError
 
 CUT_FIELDS = ("budget", "window", "kernel", "pooling", "method")
+STORE_FIELDS = ("store_budget", "store_keep", "store_method", "store_bits")
 
 
 def _held(path: Path, tier: Tier, kept: int, saved: Cut | None) -> str:
     how = f"answered with a per-question cut of {saved.describe()}" if saved else "answered as it is"
     return f"{path} holds a {mode_of(tier.cut, saved)} cache ({tier.describe()}, {kept} positions per head; {how})"
+
+
+def _same_tier(tier: Tier, requested: SnapKVConfig) -> bool:
+    """Whether the stored tier `requested` asks for is the one the file holds."""
+    wanted, held = requested.stored_tier, tier.cut
+    if requested.store_bits != tier.bits or (wanted is None) != (held is None):
+        return False
+    return wanted is None or (wanted.method == held.method and wanted.keep == held.keep
+                              and (wanted.budget is None or wanted.budget == held.budget))
 
 
 def _merged(base: Cut, requested: SnapKVConfig, explicit: frozenset[str]) -> Cut:
@@ -39,6 +49,10 @@ def cut_for_file(path: Path, tier: Tier, kept: int, saved: Cut | None, requested
     if not explicit:
         return saved, []
     holds = _held(path, tier, kept, saved)
+    if requested is not None and explicit & set(STORE_FIELDS) and not _same_tier(tier, requested):
+        raise ConfigError(f"{holds}; the --store-* options describe another stored tier, and what a file holds is "
+                          "fixed. Leave them out, or cut a whole-prompt file to a new one with snapkv compress FILE "
+                          "--store-keep ... -o NEW.snapkv.")
     if requested is None:  # --no-compress: answer against everything
         if tier.cut is not None:
             raise ConfigError(f"{holds}; --no-compress asks for the full cache, whose dropped positions it "
@@ -64,7 +78,7 @@ def cut_for_file(path: Path, tier: Tier, kept: int, saved: Cut | None, requested
         raise ConfigError(f"{holds}; you asked for a document-window cache of {wanted.describe()}. A document-window "
                           "cut is made at prefill: ask the document itself with these settings, or leave them out "
                           "to use the file as it is.")
-    if tier.cut is not None and wanted.budget > tier.cut.budget:
+    if "budget" in explicit and tier.cut is not None and wanted.budget > tier.cut.budget:
         raise ConfigError(f"{holds}; --budget {wanted.budget} asks for more positions per head than it holds. Use "
                           f"--budget {tier.cut.budget} or less, or build the cache again from the document.")
     return wanted, []

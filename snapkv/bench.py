@@ -32,6 +32,8 @@ class BenchRow:
     peak_memory_bytes: int      # the prefill's: RSS growth on CPU, CUDA max allocated (weights included) on GPU
     needle_found: bool | None   # None when the answer is not meaningful (random weights, extrapolation)
     answer_peak_memory_bytes: int = 0  # the same for the question pass and decoding
+    stored_bytes: int = 0       # the stored tier's keys and values as a file holds them
+    tier_seconds: float = 0.0   # of prefill_seconds, choosing the stored tier after the prefill
 
 
 @dataclass
@@ -78,6 +80,7 @@ def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResul
         kv_bytes=answers[0].kv_bytes, peak_memory_bytes=prepared.prefill_peak_bytes,
         answer_peak_memory_bytes=max(a.peak_bytes for a in answers),
         needle_found=(NEEDLE_NUMBER in answers[-1].text) if meaningful else None,
+        stored_bytes=prepared.cache.stored_kv_bytes, tier_seconds=prepared.tier_seconds,
     )
 
 

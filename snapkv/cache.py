@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from .config import Tier
+from .quantize import dequantize, kivi_schemes, quantize, storage_dtype
 
 
 @dataclass
@@ -17,8 +18,12 @@ class CompressedCache:
     positions[i]:       (kv_heads, kept_i) int64, ascending original positions of the kept entries
     original_length:    tokens in the prompt; whatever follows it is placed from this position on
     token_ids:          (original_length,) int64, the prompt itself
-    tier:               what the cache holds and how it was made (the cut at prefill, truncation);
+    tier:               what the cache holds and how it was made (the cut, the stored bits, truncation);
                         a saved file's metadata is written from it
+    document_span:      where the document sits in the prompt (None: all of it)
+    payload:            per layer, (keys, values) as a file stores them (16-bit tensors, or
+                        snapkv.quantize.Quantized); keys and values above are these, restored. None until
+                        the cache is rounded to its stored precision (at_precision)
     """
 
     keys: list[torch.Tensor]
@@ -27,6 +32,12 @@ class CompressedCache:
     original_length: int
     token_ids: torch.Tensor
     tier: Tier = field(default_factory=Tier)
+    document_span: range | None = None
+    payload: list[tuple] | None = None
+
+    @property
+    def document(self) -> range:
+        return self.document_span if self.document_span is not None else range(0, self.original_length)
 
     @property
     def num_layers(self) -> int:
@@ -44,18 +55,32 @@ class CompressedCache:
 
     @property
     def kv_bytes(self) -> int:
+        """What the keys and values take in memory, in the compute dtype."""
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    @property
+    def stored_kv_bytes(self) -> int:
+        """What they take as stored (fewer bits); kv_bytes until rounded to the stored precision."""
+        return sum(self.stored_layer_bytes())
 
     @property
     def device(self) -> torch.device:
         return self.keys[0].device
 
-    def full_kv_bytes(self) -> int:
-        """What the uncompressed cache of the same prompt takes."""
+    def full_kv_bytes(self, element_size: int | None = None) -> int:
+        """What the uncompressed cache of the same prompt takes (in `element_size` bytes per number; default
+        the compute dtype's)."""
         per_position = sum(
-            (k.shape[0] * k.shape[2]) * k.element_size() * 2 for k in self.keys
+            (k.shape[0] * k.shape[2]) * (element_size or k.element_size()) * 2 for k in self.keys
         )
         return per_position * self.original_length
+
+    def stored_layer_bytes(self) -> list[int]:
+        """Per layer, the bytes its keys and values take as stored."""
+        if self.payload is None:
+            return [k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values)]
+        return [sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.nbytes
+                    for part in pair) for pair in self.payload]
 
     def to_dynamic_cache(self, model_config) -> DynamicCache:
         """A fresh transformers cache over these tensors, ready for a forward pass.
@@ -85,10 +110,11 @@ class CompressedCache:
         original_length: int,
         token_ids: torch.Tensor,
         tier: Tier,
+        document_span: range | None = None,
     ) -> "CompressedCache":
         keys = [layer.keys[0] for layer in cache.layers]
         values = [layer.values[0] for layer in cache.layers]
-        return cls(keys, values, positions, original_length, token_ids, tier)
+        return cls(keys, values, positions, original_length, token_ids, tier, document_span)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "CompressedCache":
         return replace(
@@ -97,3 +123,23 @@ class CompressedCache:
             values=[v.to(device=device, dtype=dtype) for v in self.values],
             positions=[p.to(device) for p in self.positions],
         )
+
+    def at_precision(self, bits: int) -> "CompressedCache":
+        """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever
+        the compute dtype), with that stored form kept as `payload` for the file, so that a cache answers the
+        same before it is saved and after it is loaded."""
+        compute = self.keys[0].dtype
+        keys, values, payload = [], [], []
+        sixteen = storage_dtype(compute, self.keys + self.values) if bits == 16 else None
+        for layer_keys, layer_values in zip(self.keys, self.values):
+            if bits == 16:
+                stored = (layer_keys.to(sixteen), layer_values.to(sixteen))
+                restored = (stored[0].to(compute), stored[1].to(compute))
+            else:
+                key_scheme, value_scheme = kivi_schemes(bits, layer_keys.shape[-1])
+                stored = (quantize(layer_keys, key_scheme), quantize(layer_values, value_scheme))
+                restored = (dequantize(stored[0], compute), dequantize(stored[1], compute))
+            keys.append(restored[0])
+            values.append(restored[1])
+            payload.append(stored)
+        return replace(self, keys=keys, values=values, payload=payload, tier=replace(self.tier, bits=bits))

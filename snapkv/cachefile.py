@@ -1,17 +1,24 @@
 """The saved-cache file format: one safetensors file, its metadata schema, its validation and digest.
 
-File layout (safetensors, never pickle):
-    layers.{i}.keys / layers.{i}.values   (kv_heads, kept, head_dim), RoPE applied
-    layers.{i}.positions                  (kv_heads, kept) int32, original positions
-    token_ids                             (original_length,) int32, the prompt
-    __metadata__["snapkv"]                JSON, written from the cache it describes (build_metadata):
+File layout, format 2 (safetensors, never pickle):
+    token_ids                         (original_length,) int32, the prompt
+    layers.{i}.kept                   (kv_heads, ceil(original_length / 8)) uint8: bit p % 8 of byte p // 8
+                                      is set where position p is kept (every head keeps as many)
+    16 bits: layers.{i}.keys, .values (kv_heads, kept, head_dim) float16 or bfloat16, RoPE applied
+    2-8 bits: layers.{i}.keys.codes / .scale / .minimum, the same for values: snapkv.quantize.Quantized
+                                      (keys grouped along tokens, values along channels)
+    __metadata__["snapkv"]            JSON, written from the cache it describes (build_metadata):
         format, version               "snapkv-cache", "MAJOR.MINOR"
         model                         identity of the model, tokenizer and template (snapkv.fingerprint)
-        tier                          what the file holds: {"cut": the prefill cut or null, "truncation"}
+        tier                          what the file holds: {"cut": the cut that chose its positions or
+                                      null, "bits", "truncation"}
+        storage                       {"bits", "dtype" (16 bits), "keys" and "values": quantization schemes}
         per_question                  the cut made per question when answering (query-aware), or null
-        mode                          full | document-window | query-aware (from tier and per_question)
+        mode                          full | document-window | tier-only | query-aware (snapkv.config.mode_of)
+        document_span                 [start, stop) of the document in the prompt
         sources                       the documents, with sha256 (staleness)
-        original_length, num_layers, dtype, producer, created, payload_sha256
+        original_length, num_layers, producer, created, payload_sha256
+Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
 
 This module owns the schema: nothing else writes or interprets these keys. The store folder
 (naming, look-up, listing) is snapkv.store; the atomic write is snapkv.atomic.
@@ -24,6 +31,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .atomic import write_atomically
@@ -31,10 +39,12 @@ from .cache import CompressedCache
 from .config import Cut, Tier, mode_of
 from .documents import Source
 from .errors import CacheFileError, ConfigError, IncompatibleCacheError
+from .paths import CACHE_SUFFIX
+from .quantize import Quantized, Scheme, dequantize
 
 FORMAT_NAME = "snapkv-cache"
-FORMAT_VERSION = (1, 1)
-SUFFIX = ".snapkv"
+FORMAT_VERSION = (2, 0)
+SUFFIX = CACHE_SUFFIX
 MAX_HEADER_BYTES = 64 * 2**20
 # Identity fields that must match for a saved cache to be reused, with what they mean to a user.
 IDENTITY_FIELDS = {
@@ -58,13 +68,50 @@ def payload_digest(tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def cache_tensors(cache: CompressedCache) -> dict[str, torch.Tensor]:
+def _pack_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """(kv_heads, kept) positions -> (kv_heads, ceil(length / 8)) uint8 bitmask, low bit first.
+
+    numpy, not torch: a file may be written from a forked process, where torch's thread pool would hang."""
+    heads = positions.shape[0]
+    mask = np.zeros((heads, length), dtype=bool)
+    mask[np.arange(heads)[:, None], positions.cpu().numpy()] = True
+    return torch.from_numpy(np.packbits(mask, axis=1, bitorder="little"))
+
+
+def _unpack_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse: (kv_heads, bytes) uint8 -> (kv_heads, n_set) sorted positions; ValueError when the heads
+    keep different numbers of positions."""
+    kept = np.unpackbits(mask.numpy(), axis=1, count=length, bitorder="little").astype(bool)
+    counts = kept.sum(axis=1)
+    if counts.size and (counts != counts[0]).any():
+        raise ValueError("heads keep different numbers of positions")
+    return torch.from_numpy(kept.nonzero()[1].reshape(mask.shape[0], -1))
+
+
+def _stored_parts(name: str, part) -> dict[str, torch.Tensor]:
+    if isinstance(part, Quantized):
+        return {f"{name}.codes": part.packed.cpu().contiguous(), f"{name}.scale": part.scale.cpu().contiguous(),
+                f"{name}.minimum": part.minimum.cpu().contiguous()}
+    return {name: part.detach().cpu().contiguous()}
+
+
+def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors a file holds for `cache` (rounded to its tier's bits if it was not yet), and its storage
+    description for the metadata."""
+    if cache.payload is None:
+        cache = cache.at_precision(cache.tier.bits)
     tensors = {"token_ids": cache.token_ids.to(device="cpu", dtype=torch.int32).contiguous()}
-    for index, (keys, values, positions) in enumerate(zip(cache.keys, cache.values, cache.positions)):
-        tensors[f"layers.{index}.keys"] = keys.detach().cpu().contiguous()
-        tensors[f"layers.{index}.values"] = values.detach().cpu().contiguous()
-        tensors[f"layers.{index}.positions"] = positions.to(device="cpu", dtype=torch.int32).contiguous()
-    return tensors
+    for index, (positions, (keys, values)) in enumerate(zip(cache.positions, cache.payload)):
+        tensors[f"layers.{index}.kept"] = _pack_mask(positions, cache.original_length)
+        tensors.update(_stored_parts(f"layers.{index}.keys", keys))
+        tensors.update(_stored_parts(f"layers.{index}.values", values))
+    keys, values = cache.payload[0]
+    storage = {"bits": cache.tier.bits, "head_dim": cache.keys[0].shape[-1], "kv_heads": cache.keys[0].shape[0]}
+    if isinstance(keys, Quantized):
+        storage.update(keys=keys.scheme.to_dict(), values=values.scheme.to_dict())
+    else:
+        storage["dtype"] = str(keys.dtype).replace("torch.", "")
+    return tensors, storage
 
 
 def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_question: Cut | None = None,
@@ -81,10 +128,10 @@ def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_que
         "tier": cache.tier.to_dict(),
         "per_question": per_question.to_dict() if per_question else None,
         "mode": mode_of(cache.tier.cut, per_question),
+        "document_span": [cache.document.start, cache.document.stop],
         "sources": [asdict(source) for source in sources],
         "original_length": cache.original_length,
         "num_layers": cache.num_layers,
-        "dtype": str(cache.keys[0].dtype).replace("torch.", ""),
         "producer": {"snapkv": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "created": time.time(),
     }
@@ -99,8 +146,9 @@ def save_cache(path: Path, cache: CompressedCache, *, model: dict | None = None,
     """
     from safetensors.torch import save_file
 
-    tensors = cache_tensors(cache)
+    tensors, storage = cache_tensors(cache)
     header = build_metadata(cache, model=model, per_question=per_question, sources=sources)
+    header["storage"] = storage
     header["payload_sha256"] = payload_digest(tensors)
     return write_atomically(
         path, lambda temp: save_file(tensors, str(temp), metadata={"snapkv": json.dumps(header)}), "the cache")
@@ -108,16 +156,21 @@ def save_cache(path: Path, cache: CompressedCache, *, model: dict | None = None,
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def _upgrade_1_0(metadata: dict) -> dict:
-    """Format 1.0 recorded the prefill cut as "stored" and the session's settings beside it."""
-    stored, settings = metadata.get("stored"), metadata.get("settings") or {}
-    cut = {**stored, "method": "snapkv"} if stored else None
-    per_question = None
-    if metadata.get("mode") == "query-aware" and settings:
-        per_question = {key: settings[key] for key in ("budget", "window", "kernel", "pooling") if key in settings}
-        per_question["method"] = "snapkv"
-    return {**metadata, "tier": {"cut": cut, "truncation": None}, "per_question": per_question,
-            "mode": mode_of(cut, per_question)}
+def _upgrade_1(metadata: dict, minor: int) -> dict:
+    """Format 1 metadata in the current schema. 1.0 recorded the prefill cut as "stored" and the session's
+    settings beside it; 1.1 had "tier" and "per_question" already. Both stored keys and values plainly."""
+    upgraded = {**metadata, "storage": {"bits": 16, "dtype": metadata.get("dtype"), "format": 1}}
+    if minor == 0:
+        stored, settings = metadata.get("stored"), metadata.get("settings") or {}
+        cut = {**stored, "method": "snapkv"} if stored else None
+        per_question = None
+        if metadata.get("mode") == "query-aware" and settings:
+            per_question = {key: settings[key] for key in ("budget", "window", "kernel", "pooling") if key in settings}
+            per_question["method"] = "snapkv"
+        upgraded.update(tier={"cut": cut, "truncation": None}, per_question=per_question,
+                        # format 1 knew only SnapKV, whose stored cut is made during the prefill
+                        mode="query-aware" if per_question else "document-window" if cut else "full")
+    return upgraded
 
 
 def read_metadata(path: Path) -> dict:
@@ -154,11 +207,11 @@ def read_metadata(path: Path) -> dict:
         raise CacheFileError(f"{path}: unreadable format version {metadata.get('version')!r}") from error
     if major > FORMAT_VERSION[0]:
         raise CacheFileError(
-            f"{path}: written by a newer snapkv (cache format {major}.{minor}; this snapkv reads "
+            f"{path}: written by a newer snapkv (cache format {major}.{minor}; this snapkv reads formats 1.x and "
             f"{FORMAT_VERSION[0]}.x). Upgrade snapkv, or rebuild the cache with this version."
         )
-    if (major, minor) == (1, 0):
-        metadata = _upgrade_1_0(metadata)
+    if major == 1:
+        metadata = _upgrade_1(metadata, minor)
     return metadata
 
 
@@ -207,32 +260,89 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
-def _validate_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict, identity: dict | None) -> None:
+def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[int, int]:
     length = metadata.get("original_length")
     layers = metadata.get("num_layers")
     if not isinstance(length, int) or not isinstance(layers, int) or length < 1 or layers < 1:
         raise CacheFileError(f"{path}: damaged metadata (length {length!r}, layers {layers!r})")
+    if identity is not None and layers != identity["num_layers"]:
+        raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {identity['num_layers']}")
+    return length, layers
+
+
+def _check_layer(path: Path, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                 length: int, identity: dict | None) -> None:
+    if keys.dim() != 3 or keys.shape != values.shape or positions.shape != keys.shape[:2]:
+        raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {tuple(keys.shape)}, "
+                             f"{tuple(values.shape)}, {tuple(positions.shape)})")
+    if identity is not None and (keys.shape[0], keys.shape[2]) != (identity["kv_heads"], identity["head_dim"]):
+        raise IncompatibleCacheError(f"{path}: layer {index} has {keys.shape[0]} KV heads of size {keys.shape[2]}, "
+                                     f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
+    if positions.numel() and (positions.min() < 0 or positions.max() >= length
+                              or bool((positions[:, 1:] <= positions[:, :-1]).any())):
+        raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
+    if not (_all_finite(keys) and _all_finite(values)):
+        raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+
+
+def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> list[tuple]:
+    """(keys, values, positions, None) per layer of a format 1 file."""
     expected = {"token_ids"} | {f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values", "positions")}
     if set(tensors) != expected:
         raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
-    if tensors["token_ids"].shape != (length,):
-        raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
-    if identity is not None and layers != identity["num_layers"]:
-        raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {identity['num_layers']}")
+    return [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"], tensors[f"layers.{i}.positions"], None)
+            for i in range(layers)]
+
+
+def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str):
+    """A layer's keys or values as stored: a 16-bit tensor, or Quantized (its shapes checked)."""
+    if storage["bits"] == 16:
+        part = tensors[name]
+        if part.dtype not in (torch.float16, torch.bfloat16):
+            raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
+        return part
+    try:
+        scheme = Scheme.from_dict(storage[kind])
+    except (KeyError, TypeError, ValueError) as error:
+        raise CacheFileError(f"{path}: damaged metadata (storage of {kind}: {error})") from error
+    codes, scale, minimum = (tensors[f"{name}.{part}"] for part in ("codes", "scale", "minimum"))
+    codes_shape, scale_shape = scheme.stored_shapes(shape)
+    if (codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or tuple(scale.shape) != scale_shape
+            or tuple(minimum.shape) != scale_shape or scale.dtype != torch.float16 or minimum.dtype != torch.float16):
+        raise CacheFileError(f"{path}: damaged cache ({name}: shapes {tuple(codes.shape)}, {tuple(scale.shape)}, "
+                             f"{tuple(minimum.shape)} do not fit {shape} at {scheme.bits} bits)")
+    return Quantized(codes, scale, minimum, shape, scheme)
+
+
+def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int) -> list[tuple]:
+    """(keys, values, positions, stored pair) per layer of a format 2 file."""
+    storage = metadata.get("storage") or {}
+    bits, head_dim, kv_heads = storage.get("bits"), storage.get("head_dim"), storage.get("kv_heads")
+    if bits not in (2, 4, 8, 16) or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
+        raise CacheFileError(f"{path}: damaged metadata (storage {storage!r})")
+    parts = ("",) if bits == 16 else (".codes", ".scale", ".minimum")
+    expected = {"token_ids"} | {f"layers.{i}.{kind}{part}" for i in range(layers) for kind in ("keys", "values")
+                                for part in parts} | {f"layers.{i}.kept" for i in range(layers)}
+    if set(tensors) != expected:
+        raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
+    found = []
     for index in range(layers):
-        keys, values = tensors[f"layers.{index}.keys"], tensors[f"layers.{index}.values"]
-        positions = tensors[f"layers.{index}.positions"]
-        if keys.dim() != 3 or keys.shape != values.shape or positions.shape != keys.shape[:2]:
-            raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {tuple(keys.shape)}, "
-                                 f"{tuple(values.shape)}, {tuple(positions.shape)})")
-        if identity is not None and (keys.shape[0], keys.shape[2]) != (identity["kv_heads"], identity["head_dim"]):
-            raise IncompatibleCacheError(f"{path}: layer {index} has {keys.shape[0]} KV heads of size {keys.shape[2]}, "
-                                         f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
-        if positions.numel() and (positions.min() < 0 or positions.max() >= length
-                                  or bool((positions[:, 1:] <= positions[:, :-1]).any())):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
-        if not (_all_finite(keys) and _all_finite(values)):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+        mask = tensors[f"layers.{index}.kept"]
+        if mask.dtype != torch.uint8 or tuple(mask.shape) != (kv_heads, (length + 7) // 8):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} kept-positions mask {tuple(mask.shape)})")
+        try:
+            positions = _unpack_mask(mask, length)
+        except ValueError as error:
+            raise CacheFileError(f"{path}: damaged cache (layer {index}: {error})") from error
+        shape = (kv_heads, positions.shape[1], head_dim)
+        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind)
+                       for kind in ("keys", "values"))
+        restored = [part if isinstance(part, torch.Tensor) else dequantize(part) for part in stored]
+        for part in stored:
+            if isinstance(part, Quantized) and not (_all_finite(part.scale) and _all_finite(part.minimum)):
+                raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+        found.append((restored[0], restored[1], positions, stored))
+    return found
 
 
 def load_cache(path: Path, *, identity: dict | None = None,
@@ -243,6 +353,7 @@ def load_cache(path: Path, *, identity: dict | None = None,
     identity: the model in use (LoadedModel.identity); None skips the model checks (for `info`).
     device:   one device for every layer, or one per layer (LoadedModel.layer_devices): a file saved
               from any layout loads into any other.
+    dtype:    the compute dtype to restore keys and values in (None: as stored; float32 for fewer bits).
     verify:   check the payload digest (reads every byte; skip only for very large trusted files).
     """
     from safetensors.torch import load_file
@@ -258,17 +369,30 @@ def load_cache(path: Path, *, identity: dict | None = None,
         raise CacheFileError(f"{path}: damaged cache file ({error})") from error
     if verify and payload_digest(tensors) != metadata.get("payload_sha256"):
         raise CacheFileError(f"{path}: damaged cache (its contents do not match their digest); delete it and rebuild")
-    _validate_tensors(path, tensors, metadata, identity)
-    layers = metadata["num_layers"]
+    length, layers = _check_counts(path, metadata, identity)
+    if "token_ids" not in tensors or tensors["token_ids"].shape != (length,):
+        raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
+    if metadata.get("storage", {}).get("format") == 1:
+        found = _layers_format_1(path, tensors, length, layers)
+    else:
+        found = _layers_format_2(path, tensors, metadata, length, layers)
+    for index, (keys, values, positions, _) in enumerate(found):
+        _check_layer(path, index, keys, values, positions, length, identity)
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
     if len(devices) != layers:
         raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")
+    span = metadata.get("document_span")
+    if span is not None and not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)
+                                 and 0 <= span[0] <= span[1] <= length):
+        raise CacheFileError(f"{path}: damaged metadata (document span {span!r})")
     cache = CompressedCache(
-        keys=[tensors[f"layers.{i}.keys"].to(device=devices[i], dtype=dtype) for i in range(layers)],
-        values=[tensors[f"layers.{i}.values"].to(device=devices[i], dtype=dtype) for i in range(layers)],
-        positions=[tensors[f"layers.{i}.positions"].to(device=devices[i], dtype=torch.int64) for i in range(layers)],
-        original_length=metadata["original_length"],
+        keys=[keys.to(device=devices[i], dtype=dtype) for i, (keys, _, _, _) in enumerate(found)],
+        values=[values.to(device=devices[i], dtype=dtype) for i, (_, values, _, _) in enumerate(found)],
+        positions=[positions.to(device=devices[i], dtype=torch.int64) for i, (_, _, positions, _) in enumerate(found)],
+        original_length=length,
         token_ids=tensors["token_ids"].to(torch.int64),
         tier=tier,
+        document_span=range(*span) if span is not None else None,
+        payload=None if found[0][3] is None else [stored for *_, stored in found],
     )
     return cache, metadata

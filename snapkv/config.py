@@ -9,29 +9,40 @@ A SnapKVConfig says once which cut is made at prefill (`stored_tier`) and which 
 that later loads it is set to.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 from .errors import ConfigError
-from .methods import Method, Pooling, SnapKV, method_from_dict, method_to_dict
+from .methods import METHODS, Method, Pooling, PseudoQuestion, SnapKV, method_from_dict, method_to_dict
 
-Mode = Literal["full", "document-window", "query-aware"]
+BITS = (2, 4, 8, 16)  # bits a stored key or value may take (snapkv.quantize does 2, 4 and 8)
+
+Mode = Literal["full", "document-window", "tier-only", "query-aware"]
 TruncateSide = Literal["start", "middle", "end"]
 
 
 @dataclass(frozen=True)
 class Cut:
     """Keep `budget` positions per KV head, the observation window's own `window` included, the rest
-    chosen by `method` from the attention the window pays them."""
+    chosen by `method`.
 
-    budget: int
+    keep: a stored tier may be asked for as a fraction of the document's positions instead; `sized_for`
+    turns it into a budget for one prompt (the positions around the document are always kept too).
+    """
+
+    budget: int | None
     window: int
     method: Method = SnapKV()
+    keep: float | None = None
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ConfigError(f"window must be at least 1, got {self.window}")
-        if self.budget <= self.window:
+        if self.keep is not None and not 0 < self.keep <= 1:
+            raise ConfigError(f"the kept fraction must be above 0 and at most 1, got {self.keep}")
+        if self.budget is None and self.keep is None:
+            raise ConfigError("a cut needs a budget or a kept fraction")
+        if self.budget is not None and self.budget <= self.window:
             raise ConfigError(
                 f"budget ({self.budget}) must be larger than the observation window ({self.window}): "
                 "the budget counts the window's own positions"
@@ -42,22 +53,37 @@ class Cut:
         """Positions kept outside the observation window."""
         return self.budget - self.window
 
+    def sized_for(self, length: int, document: range) -> "Cut":
+        """This cut with its budget for a prompt of `length` positions holding the document at `document`."""
+        if self.keep is None:
+            return self
+        around = length - len(document)
+        budget = max(around + round(self.keep * len(document)), self.window + 1)
+        return replace(self, budget=budget)
+
     def to_dict(self) -> dict:
-        return {"budget": self.budget, "window": self.window, **method_to_dict(self.method)}
+        kept = {"keep": self.keep} if self.keep is not None else {}
+        return {"budget": self.budget, "window": self.window, **kept, **method_to_dict(self.method)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Cut":
         data = dict(data)
         try:
-            budget, window = int(data.pop("budget")), int(data.pop("window"))
+            budget, window = data.pop("budget"), int(data.pop("window"))
+            keep = data.pop("keep", None)
+            budget = None if budget is None else int(budget)
+            keep = None if keep is None else float(keep)
         except (KeyError, TypeError, ValueError) as error:
-            raise ConfigError(f"a cut needs a whole budget and window, got {data!r}") from error
-        return cls(budget, window, method_from_dict(data))
+            raise ConfigError(f"a cut needs a whole budget or a fraction, and a window, got {data!r}") from error
+        return cls(budget, window, method_from_dict(data), keep)
 
     def describe(self) -> str:
         method = self.method
         extras = ", ".join(f"{f.name} {getattr(method, f.name)}" for f in fields(method))
-        return f"{method.name} budget {self.budget} (window {self.window}{', ' + extras if extras else ''})"
+        size = f"{self.keep:.0%} of the document" if self.keep is not None else ""
+        if self.budget is not None:
+            size += f"{' = ' if size else ''}budget {self.budget}"
+        return f"{method.name} {size} (window {self.window}{', ' + extras if extras else ''})"
 
 
 @dataclass(frozen=True)
@@ -73,33 +99,44 @@ class Truncation:
 
 @dataclass(frozen=True)
 class Tier:
-    """What a cache holds: the cut made at prefill (None: every prompt position) and any truncation."""
+    """What a cache holds: the cut that chose its positions (None: every prompt position), the bits each
+    key and value is stored in, and any truncation."""
 
     cut: Cut | None = None
+    bits: int = 16
     truncation: Truncation | None = None
 
+    def __post_init__(self) -> None:
+        if self.bits not in BITS:
+            raise ConfigError(f"stored bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+
     def to_dict(self) -> dict:
-        return {"cut": self.cut.to_dict() if self.cut else None,
+        return {"cut": self.cut.to_dict() if self.cut else None, "bits": self.bits,
                 "truncation": self.truncation.to_dict() if self.truncation else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Tier":
         truncation = data.get("truncation")
-        return cls(cut=Cut.from_dict(data["cut"]) if data.get("cut") else None,
+        return cls(cut=Cut.from_dict(data["cut"]) if data.get("cut") else None, bits=int(data.get("bits", 16)),
                    truncation=Truncation(**truncation) if truncation else None)
 
     def describe(self) -> str:
         held = "whole prompt" if self.cut is None else self.cut.describe()
+        held += f", {self.bits}-bit"
         if self.truncation:
             held += f"; document cut by {self.truncation.tokens} tokens at the {self.truncation.side}"
         return held
 
 
 def mode_of(stored: Cut | None, per_question: Cut | None) -> Mode:
-    """The name of a way of answering: cut per question, cut once at prefill, or nothing dropped."""
+    """The name of a way of answering: cut per question (query-aware); else from all that is held, which is
+    everything (full), a cut made at prefill with the document's tail as the window (document-window), or a
+    stored tier chosen after the prefill (tier-only)."""
     if per_question is not None:
         return "query-aware"
-    return "document-window" if stored is not None else "full"
+    if stored is None:
+        return "full"
+    return "document-window" if stored.method.scores_during_prefill else "tier-only"
 
 
 @dataclass(frozen=True)
@@ -110,10 +147,18 @@ class SnapKVConfig:
     window:       the last `window` prompt positions whose attention decides what is kept.
     kernel:       width of the 1-D pooling over the scores (odd), so that clusters survive.
     pooling:      "max" or "avg" pooling.
-    query_aware:  if True, the cache is kept at `store_budget` (None: whole) and each question is run
-                  through the model as the observation window, compressing to `budget` per question.
-    store_budget: the stored tier's size in query-aware mode; None keeps the whole prompt.
-    method:       the scoring method's name (see snapkv.methods).
+    query_aware:  if True, the stored tier is what is saved (below) and each question is run through the
+                  model as the observation window, compressing to `budget` per question. If False, the
+                  cache is compressed once at prefill to `budget` with the prompt's tail as the window.
+    method:       the per-question (and document-window) scoring method's name (see snapkv.methods).
+    store_keep:   query-aware: the fraction of the document's positions the stored tier keeps, chosen by
+                  `store_method`; None (with no store_budget) keeps the whole prompt.
+    store_budget: query-aware: the stored tier as positions per head instead of a fraction.
+    store_method: how the stored tier is chosen: reconstruction, snapkv (the document's tail as the window),
+                  pseudo-question or key-norm (see snapkv.methods), or such a method with its own settings.
+    store_bits:   bits per stored key and value: 16, 8, 4 or 2 (any mode).
+    store_kernel: pooling width over the stored tier's scores, for methods that pool (None: `kernel` for the
+                  methods that score as SnapKV does, the method's own default for the others).
     """
 
     budget: int = 1024
@@ -123,13 +168,29 @@ class SnapKVConfig:
     query_aware: bool = True
     store_budget: int | None = None
     method: str = SnapKV.name
+    # The saved file by default: 70% of the document's positions, chosen by pseudo-questions, in 4 bits:
+    # about 5x smaller than the full cache in 16 bits, with the needle grid and the many-questions accuracy
+    # of the full cache (benchmarks/tier_sweep.py, `snapkv eval`; README "What is saved").
+    store_keep: float | None = 0.7
+    store_method: str | Method = PseudoQuestion.name
+    store_bits: int = 4
+    store_kernel: int | None = None
 
     def __post_init__(self) -> None:
         self.cut  # validates budget, window and the method's own settings
+        self.stored_tier  # and the stored tier's
         if self.store_budget is not None and self.store_budget < self.budget:
             raise ConfigError(
                 f"store_budget ({self.store_budget}) must be at least the budget ({self.budget})"
             )
+        if self.store_keep is not None and not 0 < self.store_keep <= 1:
+            raise ConfigError(f"store_keep is a fraction above 0 and at most 1, got {self.store_keep}")
+        if self.store_budget is not None and self.store_keep is not None:
+            raise ConfigError("give the stored tier as a fraction (store_keep) or as positions (store_budget), not both")
+        if isinstance(self.store_method, str) and self.store_method not in METHODS:
+            raise ConfigError(f"unknown stored-tier method {self.store_method!r}; known: {', '.join(sorted(METHODS))}")
+        if self.store_bits not in BITS:
+            raise ConfigError(f"store_bits must be one of {', '.join(map(str, BITS))}, got {self.store_bits}")
 
     @property
     def scorer(self) -> Method:
@@ -141,13 +202,27 @@ class SnapKVConfig:
         return Cut(self.budget, self.window, self.scorer)
 
     @property
+    def store_scorer(self) -> Method:
+        """The stored tier's method, pooling its scores over `store_kernel` (default: `kernel`) where it pools;
+        `store_method` may also be a method with settings of its own, taken as it is."""
+        if not isinstance(self.store_method, str):
+            return self.store_method
+        settings = {"method": self.store_method}
+        method_fields = {f.name for f in fields(METHODS.get(self.store_method, SnapKV))}
+        if "pooling" in method_fields:  # SnapKV's scores with other windows: pooled as the per-question cut is
+            settings.update(kernel=self.kernel, pooling=self.pooling)
+        if "kernel" in method_fields and self.store_kernel is not None:
+            settings["kernel"] = self.store_kernel
+        return method_from_dict(settings)
+
+    @property
     def stored_tier(self) -> Cut | None:
-        """The cut made at prefill: None keeps every position."""
+        """The cut that chooses what is stored (at prefill, or after it): None keeps every position."""
         if not self.query_aware:
             return self.cut
-        if self.store_budget is None:
-            return None
-        return Cut(self.store_budget, self.window, self.scorer)
+        if self.store_budget is None and (self.store_keep is None or self.store_keep >= 1):
+            return None  # the whole prompt
+        return Cut(self.store_budget, self.window, self.store_scorer, self.store_keep)
 
     @property
     def per_question(self) -> Cut | None:
@@ -163,8 +238,13 @@ DEFAULTS = SnapKVConfig()
 
 
 def stored_tier_of(settings: SnapKVConfig | None) -> Cut | None:
-    """The prefill cut of some settings; None (the full cache) keeps everything."""
+    """The stored cut of some settings; None (the full cache) keeps everything."""
     return settings.stored_tier if settings is not None else None
+
+
+def stored_bits_of(settings: SnapKVConfig | None) -> int:
+    """The full cache (None), the baseline, is stored in 16 bits."""
+    return settings.store_bits if settings is not None else 16
 
 
 def per_question_of(settings: SnapKVConfig | None) -> Cut | None:

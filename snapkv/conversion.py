@@ -5,7 +5,9 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,9 +40,39 @@ def _gguf_conversion_dir(gguf: Path) -> Path:
     return models_dir() / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path) -> Path:
+def is_converted(gguf: Path) -> bool:
+    """Whether this GGUF file has been converted already (loading it is then fast)."""
+    return (_gguf_conversion_dir(gguf) / "config.json").is_file()
+
+
+@contextmanager
+def _reporting_tensors(on_progress: Callable[[int, int], None] | None) -> Iterator[None]:
+    """transformers dequantizes a GGUF file tensor by tensor under a third-party progress bar; within the
+    block that loop reports to on_progress(done, total) instead, and shows nothing itself."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = getattr(gguf_utils, "tqdm", None)
+
+    def report(iterable, *args, **kwargs):
+        items = list(iterable)
+        for done, item in enumerate(items):
+            if on_progress:
+                on_progress(done, len(items) + 1)
+            yield item
+
+    if original is not None:
+        gguf_utils.tqdm = report
+    try:
+        yield
+    finally:
+        if original is not None:
+            gguf_utils.tqdm = original
+
+
+def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
     """Dequantize a GGUF file once into a safetensors folder in the snapkv home; later loads are fast.
 
+    on_progress: called with (steps done, steps in all) as the tensors are read (the last step: saving).
     The folder is written under a temporary name and renamed when complete, so an interrupted
     conversion never leaves a half-written model behind.
     """
@@ -48,12 +80,16 @@ def convert_gguf(gguf: Path) -> Path:
     if (target / "config.json").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # its loading and saving bars: ours is shown instead
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        with _reporting_tensors(on_progress):
+            quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                             local_files_only=True)
         # The weights are dequantized already; a plain model of the same config saves them as safetensors.
         config = quantized.config
         if hasattr(config, "quantization_config"):
@@ -62,6 +98,8 @@ def convert_gguf(gguf: Path) -> Path:
         model.load_state_dict(quantized.state_dict())
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        if on_progress:
+            on_progress(1, 1)
         try:
             os.replace(staging, target)
         except OSError:

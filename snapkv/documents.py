@@ -8,7 +8,7 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import DocumentError
@@ -186,7 +186,9 @@ def read_file(path: Path, password: str | None = None) -> tuple[str, Source]:
         data = path.read_bytes()
     except OSError as error:
         raise DocumentError(f"{path}: cannot read ({error.strerror or error})") from error
-    return read_bytes(data, str(path), path.suffix.lower(), password)
+    text, source = read_bytes(data, str(path), path.suffix.lower(), password)
+    # recorded by its absolute path, so that whether a cache is stale does not depend on the current folder
+    return text, replace(source, name=str(path.resolve()))
 
 
 def read_sources(spec: str, password: str | None = None) -> Document:

@@ -8,12 +8,11 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .config import DEFAULTS, SnapKVConfig, per_question_of, stored_tier_of
+from .config import DEFAULTS, SnapKVConfig, per_question_of, stored_bits_of, stored_tier_of
 from .documents import Document
 from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
 from .models import LoadedModel
 from .session import PreparedDocument, Session
-from .store import CacheStore
 
 
 @dataclass(frozen=True)
@@ -31,8 +30,24 @@ class EvalSetting:
         for mode in modes:
             for budget in budgets:
                 config = replace(base, budget=budget, query_aware=mode == "query-aware")
-                settings.append(cls(f"{mode} {budget}", config))
+                settings.append(cls.named(config))
         return settings
+
+    @classmethod
+    def named(cls, config: SnapKVConfig) -> "EvalSetting":
+        """A setting named by its mode and budget, and by its stored tier where that is not the default one:
+        "query-aware 1024", "query-aware 1024, whole 16-bit", "query-aware 1024, reconstruction 50% 4-bit"."""
+        name = f"{config.mode} {config.budget}"
+        store_fields = ("store_keep", "store_budget", "store_method", "store_bits", "store_kernel")
+        if all(getattr(config, f) == getattr(DEFAULTS, f) for f in store_fields):
+            return cls(name, config)
+        stored = config.stored_tier if config.query_aware else None
+        if stored is not None:
+            size = f"{stored.keep:.0%}" if stored.keep is not None else str(stored.budget)
+            name += f", {stored.method.name} {size} {config.store_bits}-bit"
+        else:
+            name += f", {'whole ' if config.query_aware else ''}{config.store_bits}-bit"
+        return cls(name, config)
 
 
 @dataclass
@@ -52,12 +67,21 @@ def _needle_number(length_index: int, depth_index: int) -> str:
     return str(random.Random(length_index * 1000 + depth_index).randrange(10000, 99999))
 
 
+WHOLE = (None, 16)  # the whole prompt in 16 bits: the full cache, and what tiers chosen after a prefill start from
+
+
 def _prepare(session: Session, document: Document, by_tier: dict) -> PreparedDocument:
-    """Prefill once per stored tier: the full cache serves 'full' and every query-aware budget."""
-    stored = stored_tier_of(session.settings)
-    if stored not in by_tier:
-        by_tier[stored] = session.prepare(document)
-    return by_tier[stored].answering_with(per_question_of(session.settings))
+    """Once per stored tier and bits. The full cache serves 'full' and every query-aware budget of a whole tier;
+    a tier chosen after the prefill is derived from it (scored once per method: by_tier["scores"])."""
+    settings = session.settings
+    key = (stored_tier_of(settings), stored_bits_of(settings))
+    if key not in by_tier:
+        stored, whole = key[0], by_tier.get(WHOLE)
+        if whole is not None and (stored is None or not stored.method.scores_during_prefill):
+            by_tier[key] = session.derive(whole, scores_memo=by_tier.setdefault("scores", {}))
+        else:
+            by_tier[key] = session.prepare(document)
+    return by_tier[key].answering_with(per_question_of(settings))
 
 
 def needle_grid(loaded: LoadedModel, lengths: list[int], depths: list[float], settings: list[EvalSetting],
@@ -159,19 +183,20 @@ def many_questions(loaded: LoadedModel, tokens: int, count: int, settings: list[
     text, facts = multi_fact_document(loaded.tokenizer, filler or filler_text(), tokens, count)
     document = Document(text)
     result = MultiResult(tokens=0, facts=facts)
+    prepared_by_tier: dict = {}
     with tempfile.TemporaryDirectory() as folder:
-        store = CacheStore(Path(folder))
-        for setting in settings:
-            session = Session(loaded, setting.config, store=store)
-            session.prepare(document)  # prefill and save
-            reloaded = session.prepare(document)  # loaded back from the file, as a later process would
+        for index, setting in enumerate(settings):
+            session = Session(loaded, setting.config)
+            path = Path(folder) / f"{index}.snapkv"
+            session.save(_prepare(session, document, prepared_by_tier), path)
+            reloaded = session.load_file(path)  # loaded back from the file, as a later process would
             result.tokens = reloaded.tokens
             result.file_bytes[setting.name] = reloaded.file_bytes
             found = []
             for fact in facts:
-                text = "".join(session.ask(reloaded, fact.question, answer_prefix=fact.answer_prefix,
-                                           max_new_tokens=10))
-                found.append(fact.number in text)
+                answer_text = "".join(session.ask(reloaded, fact.question, answer_prefix=fact.answer_prefix,
+                                                  max_new_tokens=10))
+                found.append(fact.number in answer_text)
                 if on_answer:
                     on_answer(setting.name, fact)
             result.found[setting.name] = found

@@ -26,12 +26,13 @@ class Sampling:
     seed: int | None = None
 
 
-def _model_device(model) -> torch.device:
+def model_device(model) -> torch.device:
+    """Where token ids enter the model (the first device of several with a device_map)."""
     return model.get_input_embeddings().weight.device
 
 
 @torch.inference_mode()
-def _next_logits(
+def run_forward(
     model, input_ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor | None = None
 ) -> torch.Tensor:
     """One forward that appends input_ids (1, s) to `cache`; returns the last position's logits (vocab,)."""
@@ -76,16 +77,22 @@ def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
 @torch.inference_mode()
 def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
             on_layer: Callable[[int, int], None] | None = None,
-            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tier: Tier | None = None) -> CompressedCache:
+            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, tier: Tier | None = None,
+            document: range | None = None) -> CompressedCache:
     """Run the prompt through the model, compressing each layer as it goes (cut None: keep everything).
 
     context_ids: (n,) token ids. A prompt no longer than the budget is left whole.
+    cut: a method that scores during the prefill (SnapKV, the prompt's tail as the window); stored tiers
+    chosen after the prefill are snapkv.tiers' business.
     tier: the description the cache carries (default: this cut, no truncation).
+    document: where the document sits in the prompt (default: all of it).
     on_layer: progress callback, called with (layers done, layers in all) as each layer finishes.
     chunk_tokens: the MLPs run over at most this many positions at a time (bounded activations).
     Each layer's cache stays on that layer's device (several with accelerate's device_map).
     """
-    device = _model_device(model)
+    if cut is not None and not cut.method.scores_during_prefill:
+        raise ValueError(f"{cut.method.name} does not score during the prefill; see snapkv.tiers")
+    device = model_device(model)
     n = context_ids.shape[0]
     cache = DynamicCache(config=model.config)
     plan = None
@@ -93,14 +100,14 @@ def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
         plan = CompressionPlan(cut, cut.window)
     with (compressing(model, plan) if plan else nullcontext(), _reporting_layers(model, on_layer),
           chunked_feed_forward(model, chunk_tokens) if n > chunk_tokens else nullcontext()):
-        _next_logits(model, context_ids.to(device).unsqueeze(0), cache)
+        run_forward(model, context_ids.to(device).unsqueeze(0), cache)
     positions = []
     for index, layer in enumerate(cache.layers):
         kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
         all_positions = torch.arange(n, device=layer.keys.device).unsqueeze(0)  # (1, n)
         positions.append(_layer_positions(plan, index, length, all_positions, kv_heads).contiguous())
     tier = tier if tier is not None else Tier(cut)
-    return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu(), tier)
+    return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu(), tier, document)
 
 
 def _pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -136,7 +143,7 @@ def answer(
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
     """
-    device = _model_device(model)
+    device = model_device(model)
     working = cache.to_dynamic_cache(model.config)
     q = question_ids.shape[0]
     start = cache.original_length
@@ -149,7 +156,7 @@ def answer(
     # (1, q)
     positions = torch.arange(start, start + q, device=device).unsqueeze(0)
     with compressing(model, plan) if plan else nullcontext():
-        logits = _next_logits(model, question_ids.to(device).unsqueeze(0), working, positions)
+        logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
         if token in stop_ids:
@@ -158,6 +165,6 @@ def answer(
         if step + 1 == max_new_tokens:
             return
         position = start + q + step
-        logits = _next_logits(
+        logits = run_forward(
             model, torch.tensor([[token]], device=device), working, torch.tensor([[position]], device=device)
         )

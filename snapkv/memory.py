@@ -137,12 +137,40 @@ def _cuda_devices() -> list[int]:
     return list(range(torch.cuda.device_count()))
 
 
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+_lifetime = {"peak": 0}  # the kernel's peak RSS as it stood before each reset
+
+
+def _kernel_peak_reset() -> bool:
+    """Reset the kernel's record of this process's peak RSS (Linux: VmHWM); False where there is none."""
+    try:
+        _lifetime["peak"] = max(_lifetime["peak"], _kernel_peak())
+        with open(_CLEAR_REFS, "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _kernel_peak() -> int:
+    """The kernel's peak RSS of this process since the last reset, in bytes (Linux)."""
+    with open(_STATUS) as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
 class PeakMemory:
     """Peak memory of a block (one phase: prefill, an answer).
 
     CUDA: torch.cuda.max_memory_allocated during the block, summed over the GPUs (a model spread with
-    device_map uses several), weights included. CPU: the most the process's RSS rose above its start
-    (sampled every 2 ms), so the weights already loaded are not counted.
+    device_map uses several), weights included. CPU: the most the process's RSS rose above its start, so
+    the weights already loaded are not counted: on Linux the kernel's own peak (VmHWM, reset at the start of
+    the block, exact); elsewhere RSS sampled every 2 ms by a thread (which can miss a short spike).
     """
 
     def __init__(self, device: torch.device, release: bool = False) -> None:
@@ -163,16 +191,19 @@ class PeakMemory:
         if self.release:
             release_freed_memory()
         process = self._process = psutil.Process()
+        self._kernel = _kernel_peak_reset()
         self._start = self._high = process.memory_info().rss
-        self._stop = threading.Event()
+        self._thread = None
+        if not self._kernel:
+            self._stop = threading.Event()
 
-        def sample():
-            while not self._stop.is_set():
-                self._high = max(self._high, process.memory_info().rss)
-                time.sleep(0.002)
+            def sample():
+                while not self._stop.is_set():
+                    self._high = max(self._high, process.memory_info().rss)
+                    time.sleep(0.002)
 
-        self._thread = threading.Thread(target=sample, daemon=True)
-        self._thread.start()
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
         return self
 
     def __exit__(self, *exc):
@@ -181,7 +212,29 @@ class PeakMemory:
                 torch.cuda.synchronize(index)
             self.peak = sum(torch.cuda.max_memory_allocated(index) for index in _cuda_devices())
             return
-        self._stop.set()
-        self._thread.join()
+        if self._kernel:
+            self._high = _kernel_peak()
+        else:
+            self._stop.set()
+            self._thread.join()
         self._high = max(self._high, self._process.memory_info().rss)  # the end state, however short the block
         self.peak = self._high - self._start
+
+
+def process_peak_bytes(device: torch.device) -> int:
+    """The process's peak memory so far: CUDA max allocated summed over the GPUs, else peak RSS (psutil's,
+    which is right on every OS; ru_maxrss is kilobytes on Linux and bytes on macOS)."""
+    if device.type == "cuda":
+        return sum(torch.cuda.max_memory_allocated(index) for index in _cuda_devices())
+    import psutil
+
+    info = psutil.Process().memory_info()
+    return max(getattr(info, "peak_wset", 0), info.rss, _lifetime_peak())
+
+
+def _lifetime_peak() -> int:
+    """Linux: the peak RSS the kernel recorded over the process's life (PeakMemory blocks reset its record)."""
+    try:
+        return max(_lifetime["peak"], _kernel_peak())
+    except OSError:
+        return 0

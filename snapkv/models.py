@@ -3,6 +3,7 @@
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Callable
 from functools import cached_property
 from pathlib import Path
 
@@ -78,17 +79,20 @@ class LoadedModel:
         return frozenset(ids)
 
 
-def resolve_model_source(spec: str | None) -> tuple[str, str]:
-    """(display name, what from_pretrained loads) for a --model value; None means the embedded model."""
+def resolve_model_source(spec: str | None, on_convert: Callable[[int, int], None] | None = None) -> tuple[str, str]:
+    """(display name, what from_pretrained loads) for a --model value; None means the embedded model.
+
+    on_convert: progress of a GGUF file's one-time conversion, (steps done, steps in all).
+    """
     if not spec:
         spec = os.environ.get("SNAPKV_MODEL") or None
     if not spec:
-        return EMBEDDED_NAME, str(convert_gguf(embedded_gguf_path()))
+        return EMBEDDED_NAME, str(convert_gguf(embedded_gguf_path(), on_convert))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"no such GGUF file: {spec}")
-        return path.stem, str(convert_gguf(path))
+        return path.stem, str(convert_gguf(path, on_convert))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
@@ -146,11 +150,12 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto",
-               device_map: str | None = None) -> LoadedModel:
+               device_map: str | None = None, on_convert: Callable[[int, int], None] | None = None) -> LoadedModel:
     """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message.
 
     device_map: spread the layers over the GPUs (and CPU) with accelerate ("auto", "balanced", ...), for
     models larger than one device; each layer's cache then lives on that layer's device.
+    on_convert: progress of a GGUF file's one-time conversion (the embedded model's first load).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
@@ -159,18 +164,20 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
         raise ConfigError(f"unknown device map {device_map!r}: use {', '.join(DEVICE_MAPS)}")
     torch_device = pick_device(device)
     torch_dtype = pick_dtype(dtype, torch_device)
-    name, source = resolve_model_source(spec)
+    name, source = resolve_model_source(spec, on_convert)
     transformers_logging.disable_progress_bar()  # loading takes seconds; its per-tensor bar is noise
     placement = {"device_map": device_map} if device_map else {}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+    try:  # local_files_only: a Hub id resolves from the local Hugging Face cache, never from the network
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=torch_dtype, attn_implementation=pick_attention(torch_device), **placement
+            source, dtype=torch_dtype, attn_implementation=pick_attention(torch_device), local_files_only=True,
+            **placement
         )
     except OSError as error:
         raise ModelNotFoundError(
-            f"model {spec!r} was not found as a folder, a .gguf file, or in the local Hugging Face cache "
-            f"(snapkv does not download models): {error}"
+            f"model {spec!r} is not a model folder, a .gguf file, or a model in the local Hugging Face cache, and "
+            "snapkv never downloads. `snapkv models` lists the models that can be used here; to use a Hub model, "
+            f"download it first (huggingface-cli download {spec}) or pass its folder."
         ) from error
     check_supported(model)
     if device_map:
@@ -216,7 +223,28 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
     check_supported(model)
     model.eval()
     try:
-        tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1])
+        tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1], local_files_only=True)
     except OSError as error:
         raise ModelNotFoundError(f"tokenizer {tokenizer!r}: not a folder of tokenizer files ({error})") from error
     return LoadedModel(model, tokens, f"{path.stem} (random weights)", torch_device, torch_dtype)
+
+
+class ModelPool:
+    """The model last asked for, kept loaded between commands (`snapkv serve`): asking again with the same
+    settings costs nothing; other settings load the other model in its place."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._loaded: LoadedModel | None = None
+
+    def get(self, spec: str | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+            on_convert: Callable[[int, int], None] | None = None) -> LoadedModel:
+        key = (spec or os.environ.get("SNAPKV_MODEL") or None, device, dtype, device_map)
+        if key != self._key or self._loaded is None:
+            self._key, self._loaded = None, None  # the old model can be freed before the new one loads
+            self._loaded = load_model(spec, device=device, dtype=dtype, device_map=device_map, on_convert=on_convert)
+            self._key = key
+        return self._loaded
+
+
+MODEL_POOL: ModelPool | None = None  # set by `snapkv serve`: commands it runs load their model from here

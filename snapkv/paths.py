@@ -6,6 +6,9 @@ from pathlib import Path
 import platformdirs
 
 
+CACHE_SUFFIX = ".snapkv"  # the saved-cache file's suffix
+
+
 def snapkv_home() -> Path:
     """The root folder for converted models and saved caches."""
     override = os.environ.get("SNAPKV_HOME")

@@ -70,6 +70,14 @@ class Prompter:
         """The document's own tokens, as plain text."""
         return _plain_ids(self.tokenizer, document)
 
+    def plain_ids(self, text: str) -> list[int]:
+        """Any text's tokens, control tokens in it kept as text."""
+        return _plain_ids(self.tokenizer, text)
+
+    def document_span(self, context_length: int) -> range:
+        """Where the document sits in context ids of this length: between the template's head and middle."""
+        return range(len(self.head_ids), context_length - len(self.middle_ids))
+
     def context_ids(self, document: str | list[int]) -> torch.Tensor:
         """(n,) ids of everything before the question: template head, instruction, document, middle."""
         if not isinstance(document, list):

@@ -1,16 +1,16 @@
-"""SnapKV's selection as pure tensor functions: window scores, pooling, GQA mean, kept indices, gather."""
+"""Selection as pure tensor functions: window attention scores, pooling, GQA mean, kept indices, gather."""
 
 import torch
 import torch.nn.functional as F
 
 
-def window_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """How much attention the observation window pays to every earlier key, per query head.
+def window_attention_weights(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The observation window's attention weights onto every earlier key, query heads grouped by KV head.
 
     window_queries: (batch, q_heads, w, head_dim), after RoPE; the last w positions of the sequence.
     keys:           (batch, kv_heads, n, head_dim), after RoPE; n >= w, the window's keys last.
-    Returns (batch, q_heads, n - w): the softmax weights (fp32, causal inside the window) summed over
-    the window's queries, for each key before the window.
+    Returns (batch, kv_heads, group, w, n - w): softmax weights (fp32, causal inside the window) over all
+    n keys, for the keys before the window.
     """
     batch, q_heads, w, head_dim = window_queries.shape
     kv_heads, n = keys.shape[1], keys.shape[2]
@@ -23,9 +23,30 @@ def window_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, sc
     # query i of the window sees window key j only if j <= i
     future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(diagonal=1)
     logits[..., n - w :].masked_fill_(future, float("-inf"))
-    weights = logits.softmax(dim=-1)
-    # (batch, q_heads, n - w)
-    return weights[..., : n - w].sum(dim=-2).reshape(batch, q_heads, n - w)
+    return logits.softmax(dim=-1)[..., : n - w]
+
+
+def window_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """How much attention the observation window pays to every earlier key, per query head.
+
+    Returns (batch, q_heads, n - w): the weights of window_attention_weights summed over the window's queries.
+    """
+    batch, q_heads = window_queries.shape[:2]
+    weights = window_attention_weights(window_queries, keys, scaling)  # (batch, kv_heads, group, w, n - w)
+    return weights.sum(dim=-2).reshape(batch, q_heads, weights.shape[-1])
+
+
+def peak_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The most attention any window query of any head in a KV head's group pays each earlier key.
+
+    Returns (batch, kv_heads, n - w): KVzip's score (arXiv 2505.23416), a max over queries and the group.
+    """
+    return window_attention_weights(window_queries, keys, scaling).amax(dim=(2, 3))
+
+
+def key_norms(keys: torch.Tensor) -> torch.Tensor:
+    """(batch, kv_heads, n, head_dim) -> (batch, kv_heads, n): each key's L2 norm, in fp32."""
+    return keys.float().norm(dim=-1)
 
 
 def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:

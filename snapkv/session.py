@@ -22,13 +22,15 @@ from .answering import cut_for_file
 from .cache import CompressedCache
 from .cachefile import load_cache, per_question_of, recorded_sources, save_cache
 from .config import Cut, SnapKVConfig, Tier, Truncation, mode_of, per_question_of as per_question_for
-from .config import stored_tier_of
+from .config import stored_bits_of, stored_tier_of
 from .documents import Document, stale_sources
 from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
-from .generation import Sampling, answer, prefill
+from .generation import Sampling, answer
 from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
 from .models import LoadedModel
 from .store import CacheStore, cache_key
+from .streaming import TextStream
+from .tiers import build_tier, derive_tier
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
@@ -42,10 +44,15 @@ class Prompt:
     document: Document
     ids: torch.Tensor              # (n,) context ids
     truncation: Truncation | None  # None when the whole document fits
+    span: range | None = None      # where the document sits in the ids (None: all of them)
 
     @property
     def tokens(self) -> int:
         return self.ids.shape[0]
+
+    @property
+    def document_span(self) -> range:
+        return self.span if self.span is not None else range(0, self.tokens)
 
 
 @dataclass
@@ -67,6 +74,7 @@ class PreparedDocument:
     file_bytes: int = 0
     notes: list[str] = field(default_factory=list)  # things the user should hear about (a rebuilt entry, staleness)
     prefill_peak_bytes: int = 0      # PeakMemory of the prefill (0 when loaded from a file)
+    tier_seconds: float = 0.0        # of prefill_seconds, the part after the prefill: scoring, cut, rounding
 
     @property
     def tokens(self) -> int:
@@ -96,14 +104,7 @@ class PreparedDocument:
         return cache.kv_bytes * kept // max(cache.kept_tokens, 1)
 
     def answering_with(self, per_question: Cut | None) -> "PreparedDocument":
-        """The same cache, answered with another per-question cut; refused where it asks for more than is held."""
-        held = self.tier.cut
-        if per_question is not None and held is not None and per_question.budget > held.budget:
-            raise ConfigError(
-                f"this cache holds {held.budget} positions per head ({held.describe()}); a budget of "
-                f"{per_question.budget} asks for more than it holds. Use a budget of at most {held.budget}, or build "
-                "the cache again from the document."
-            )
+        """The same cache, answered with another per-question cut (a budget above what is held cuts nothing)."""
         return replace(self, per_question=per_question)
 
 
@@ -116,6 +117,8 @@ class AnswerResult:
     decode_seconds: float
     peak_bytes: int = 0   # PeakMemory of the answer: question pass and decoding
     kv_bytes: int = 0     # the KV decoded against
+    finish_reason: str = "stop"  # "stop" (an end-of-turn token), "length" (the token limit or the context's
+                                 # end) or "interrupted" (Ctrl-C, or the reader went away)
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -151,35 +154,40 @@ class AnswerStream:
     def __iter__(self) -> Iterator[str]:
         loaded, prepared = self._loaded, self._prepared
         tokenizer = loaded.tokenizer
-        started = time.perf_counter()
         first_token_at = None
-        tokens: list[int] = []
-        shown = ""
-        with PeakMemory(loaded.device, release=self._measure) as memory:
-            for token in answer(loaded.model, prepared.cache, self._ids, per_question=prepared.per_question,
-                                max_new_tokens=self._max_new_tokens, stop_ids=self._stop_ids,
-                                sampling=self._sampling):
-                if first_token_at is None:
-                    if self._measure:
-                        _sync(loaded.device)
-                    first_token_at = time.perf_counter()
-                tokens.append(token)
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                if not text.endswith("\ufffd") and len(text) > len(shown):  # wait for whole characters
-                    yield text[len(shown):]
-                    shown = text
-            if self._measure:
-                _sync(loaded.device)
-        ended = time.perf_counter()
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        if len(text) > len(shown):
-            yield text[len(shown):]
-        first_token_at = first_token_at or ended
-        self.result = AnswerResult(
-            question=self.question, text=text, new_tokens=len(tokens),
-            ttft_seconds=first_token_at - started, decode_seconds=ended - first_token_at, peak_bytes=memory.peak,
-            kv_bytes=prepared.decoded_kv_bytes(self._ids.shape[0]),
-        )
+        text = TextStream(tokenizer)
+        pieces: list[str] = []
+        finish = "interrupted"  # unless the loop ends by itself
+        memory = PeakMemory(loaded.device, release=self._measure)
+        started = time.perf_counter()
+        try:
+            with memory:
+                started = time.perf_counter()  # after PeakMemory has handed memory back, when measuring
+                for token in answer(loaded.model, prepared.cache, self._ids, per_question=prepared.per_question,
+                                    max_new_tokens=self._max_new_tokens, stop_ids=self._stop_ids,
+                                    sampling=self._sampling):
+                    if first_token_at is None:
+                        if self._measure:
+                            _sync(loaded.device)
+                        first_token_at = time.perf_counter()
+                    if piece := text.add(token):
+                        pieces.append(piece)
+                        yield piece
+                if self._measure:
+                    _sync(loaded.device)
+            finish = "length" if len(text.tokens) >= self._max_new_tokens else "stop"
+            if piece := text.flush():
+                pieces.append(piece)
+                yield piece
+        finally:  # an interrupted answer has its result too: what it said so far
+            ended = time.perf_counter()
+            first_token_at = first_token_at or ended
+            self.result = AnswerResult(
+                question=self.question, text="".join(pieces), new_tokens=len(text.tokens),
+                ttft_seconds=first_token_at - started, decode_seconds=ended - first_token_at,
+                peak_bytes=memory.peak,
+                kv_bytes=prepared.decoded_kv_bytes(self._ids.shape[0]), finish_reason=finish,
+            )
 
 
 class Session:
@@ -233,19 +241,22 @@ class Session:
                 body = body[:room]
             else:
                 body = body[: room // 2] + body[len(body) - (room - room // 2):]
-        return Prompt(document, prompter.context_ids(body), truncation)
+        ids = prompter.context_ids(body)
+        return Prompt(document, ids, truncation, prompter.document_span(len(ids)))
 
     def prepare(self, source: Document | Prompt, *, on_layer: Callable[[int, int], None] | None = None,
-                measure: bool = False) -> PreparedDocument:
+                on_step: Callable[[int, int], None] | None = None, measure: bool = False) -> PreparedDocument:
         """The document's cache: loaded from the store when it was made before, else prefilled (and saved).
 
         on_layer: prefill progress, called with (layers done, layers in all).
+        on_step:  progress of the stored tier's scoring passes after the prefill, (passes done, in all).
         measure:  for benchmarks: hand freed memory back to the OS before the prefill and wait for the
                   device, so that its time and peak memory are the prefill's own.
         """
         prompt = source if isinstance(source, Prompt) else self.prompt(source)
         stored, per_question = stored_tier_of(self.settings), per_question_for(self.settings)
-        key = cache_key(self.loaded.identity, prompt.ids, stored) if self.store else None
+        bits = stored_bits_of(self.settings)
+        key = cache_key(self.loaded.identity, prompt.ids, stored, bits) if self.store else None
         notes = []
         if self.store is not None and (path := self.store.lookup(key)) is not None:
             try:
@@ -255,7 +266,7 @@ class Session:
             else:
                 if torch.equal(prepared.cache.token_ids, prompt.ids):
                     return replace(prepared, document=prompt.document, per_question=per_question)
-        prepared = self._prefill(prompt, stored, per_question, on_layer, measure)
+        prepared = self._prefill(prompt, stored, bits, per_question, on_layer, on_step, measure)
         prepared.notes = notes
         if self.store is not None:
             try:
@@ -264,16 +275,21 @@ class Session:
                 prepared.notes.append(f"{error} The next question on this document will prefill again.")
         return prepared
 
-    def _prefill(self, prompt: Prompt, stored: Cut | None, per_question: Cut | None,
-                 on_layer: Callable[[int, int], None] | None, measure: bool) -> PreparedDocument:
+    def _prefill(self, prompt: Prompt, stored: Cut | None, bits: int, per_question: Cut | None,
+                 on_layer: Callable[[int, int], None] | None, on_step: Callable[[int, int], None] | None,
+                 measure: bool) -> PreparedDocument:
         loaded, ids = self.loaded, prompt.ids
-        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, stored)
+        during = stored if stored is not None and stored.method.scores_during_prefill else None
+        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype,
+                           during.sized_for(prompt.tokens, prompt.document_span) if during else None)
         try:
             with PeakMemory(loaded.device, release=measure) as memory:
                 _sync(loaded.device)
                 started = time.perf_counter()
-                cache = prefill(loaded.model, ids, stored, on_layer=on_layer,
-                                tier=Tier(stored, prompt.truncation))
+                timings: dict = {}
+                cache = build_tier(loaded.model, loaded.prompter, ids, prompt.document_span, stored, bits,
+                                   Tier(truncation=prompt.truncation), on_layer=on_layer, on_step=on_step,
+                                   timings=timings)
                 _sync(loaded.device)
                 seconds = time.perf_counter() - started
         except Exception as error:
@@ -286,7 +302,27 @@ class Session:
                 "or another device."
             ) from error
         return PreparedDocument(prompt.document, cache, per_question, prefill_seconds=seconds,
-                                prefill_peak_bytes=memory.peak)
+                                prefill_peak_bytes=memory.peak, tier_seconds=timings["tier_seconds"])
+
+    def derive(self, whole: PreparedDocument, *, scores_memo: dict | None = None,
+               on_step: Callable[[int, int], None] | None = None, measure: bool = False) -> PreparedDocument:
+        """This session's stored tier made from a whole-prompt 16-bit cache already at hand, without a new
+        prefill (a tier cut during the prefill, SnapKV's document window, needs one: ConfigError).
+
+        scores_memo: a dict kept with `whole` so that several tiers of one cache score it once.
+        """
+        stored, bits = stored_tier_of(self.settings), stored_bits_of(self.settings)
+        if stored is not None and stored.method.scores_during_prefill:
+            raise ConfigError(f"a {stored.method.name} tier is cut during the prefill; prepare the document instead")
+        cache = whole.cache
+        with PeakMemory(self.loaded.device, release=measure) as memory:
+            started = time.perf_counter()
+            cut = stored.sized_for(cache.original_length, cache.document) if stored is not None else None
+            derived = derive_tier(self.loaded.model, self.loaded.prompter, cache, cut, bits, on_step, scores_memo)
+            _sync(self.loaded.device)
+            seconds = time.perf_counter() - started
+        return PreparedDocument(whole.document, derived, per_question_for(self.settings), prefill_seconds=seconds,
+                                prefill_peak_bytes=memory.peak, tier_seconds=seconds)
 
     # ------------------------------------------------------------------------------------ files
 

@@ -8,9 +8,8 @@ import traceback
 import typer
 
 from snapkv.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
-from snapkv.memory import is_out_of_memory
 
-from . import ask, bench, cache, compress, evaluate, info, repl
+from . import ask, bench, cache, compress, evaluate, info, logs, models, repl, serve
 
 EXIT_CODE_HELP = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
 
@@ -20,28 +19,44 @@ app = typer.Typer(
     epilog=EXIT_CODE_HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,
+    rich_markup_mode=None,  # plain help, readable at 80 columns
 )
 app.command(name="ask")(ask.ask)
 app.command(name="compress")(compress.compress)
 app.command(name="repl")(repl.repl)
 app.command(name="info")(info.info)
 app.command(name="bench")(bench.bench)
+app.command(name="serve")(serve.serve)
+app.command(name="models")(models.models)
 app.add_typer(cache.app, name="cache")
+app.add_typer(logs.app, name="logs")
 app.add_typer(evaluate.app, name="eval")
 
 _debug = {"on": False}
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from snapkv import __version__
+
+        print(f"snapkv {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(debug: bool = typer.Option(False, "--debug", envvar="SNAPKV_DEBUG",
-                                     help="On an error, also print the Python traceback.")) -> None:
+                                     help="On an error, also print the Python traceback (also after the command)."),
+          version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                       help="Print snapkv's version and exit.")) -> None:
     """Ask questions of long documents with a local LLM, using a SnapKV-compressed KV cache."""
-    _debug["on"] = debug
+    _debug["on"] = _debug["on"] or debug
 
 
 def _as_known_error(error: BaseException) -> SnapKVError | None:
     """Failures of the machine rather than of snapkv, told the way a user can act on them."""
+    from snapkv.memory import is_out_of_memory
+
     if is_out_of_memory(error):
         return OutOfMemoryError(
             f"out of memory ({type(error).__name__}). Use a shorter document (--truncate), a smaller --budget, "
@@ -56,42 +71,75 @@ def _as_known_error(error: BaseException) -> SnapKVError | None:
     return None
 
 
-def _fail(message: str, code: int) -> None:
+def _fail(message: str, code: int) -> int:
     if _debug["on"]:
         traceback.print_exc()
     print(f"snapkv: error: {message}", file=sys.stderr)
-    sys.exit(code)
+    return code
 
 
-def _usage_error(error: Exception) -> None:
-    """Typer's own rendering of a usage error (missing argument, bad option value): exit code 2."""
+def _is_usage_error(error: BaseException) -> bool:
+    """Typer's own usage errors (missing argument, bad option value): they know their exit code and show
+    themselves. Told by what they do, as typer exports no public name for them."""
+    return hasattr(error, "exit_code") and hasattr(error, "format_message") and hasattr(error, "show")
+
+
+def _usage_error(error: Exception) -> int:
+    """Typer's own rendering of a usage error: exit code 2."""
     from typer import rich_utils
 
     rich_utils.rich_format_error(error)
-    sys.exit(error.exit_code)
+    return error.exit_code
 
 
-def main() -> None:
-    """Console entry point: every error becomes a one-paragraph message and a documented exit code."""
+def _debug_flag(argv: list[str]) -> list[str]:
+    """--debug is accepted anywhere before a lone "--": taken out of the arguments here."""
+    cut = argv.index("--") if "--" in argv else len(argv)
+    if "--debug" in argv[:cut]:
+        _debug["on"] = True
+        return [arg for index, arg in enumerate(argv) if not (arg == "--debug" and index < cut)]
+    return argv
+
+
+def _runs_on_server(argv: list[str]) -> bool:
+    """`ask` goes to a running server, unless told not to, asked for help, or reading stdin (which stays here)."""
+    if not argv or argv[0] != "ask" or os.environ.get("SNAPKV_NO_SERVER", "") not in ("", "0"):
+        return False
+    if serve.IN_SERVER:
+        return False
+    return not {"--no-server", "--help", "-"} & set(argv)
+
+
+def run(argv: list[str]) -> int:
+    """Run one snapkv command line; every error becomes a one-paragraph message and a documented exit code."""
     from typer import Abort
-    from typer._click.exceptions import ClickException  # usage errors; typer exports no public name for it
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # snapkv never downloads: models come from disk
+    _debug["on"] = os.environ.get("SNAPKV_DEBUG", "") not in ("", "0")
+    if _runs_on_server(argv) and (code := serve.run_remotely(list(argv))) is not None:
+        return code
+    argv = _debug_flag(list(argv))
     try:
-        code = app(standalone_mode=False)  # returns Typer's exit code, 130 for Ctrl-C
-    except ClickException as error:
-        _usage_error(error)
+        code = app(args=argv, prog_name="snapkv", standalone_mode=False)  # Typer's exit code, 130 for Ctrl-C
     except SnapKVError as error:
-        _fail(str(error), error.exit_code)
+        return _fail(str(error), error.exit_code)
     except (KeyboardInterrupt, Abort):
         code = 130
     except Exception as error:
+        if _is_usage_error(error):
+            return _usage_error(error)
         known = _as_known_error(error)
         if known is not None:
-            _fail(str(known), known.exit_code)
-        _fail(f"internal error: {type(error).__name__}: {error}. This is a bug in snapkv; run again with "
-              "--debug to see the traceback, and report it.", 1)
+            return _fail(str(known), known.exit_code)
+        return _fail(f"internal error: {type(error).__name__}: {error}. This is a bug in snapkv; run again with "
+                     "--debug to see the traceback, and report it.", 1)
     if code == 130:
         print("snapkv: interrupted; nothing half-written was left behind", file=sys.stderr)
-    sys.exit(code if isinstance(code, int) else 0)
+    return code if isinstance(code, int) else 0
+
+
+def main() -> None:
+    """Console entry point."""
+    sys.exit(run(sys.argv[1:]))

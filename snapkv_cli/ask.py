@@ -7,34 +7,14 @@ from typing import Optional
 
 import typer
 
-from snapkv.cachefile import SUFFIX
 from snapkv.config import DEFAULTS
-from snapkv.documents import read_sources
-from snapkv.generation import Sampling
-from snapkv.session import AnswerResult, PreparedDocument, Session
-from snapkv.store import CacheStore
+from snapkv.paths import CACHE_SUFFIX
 
-from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
+from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, MaxTokensOption,
+                      ModelOption,
                       NoCompressOption, PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption,
-                      StoreBudgetOption, TruncateOption, WindowOption, explicit_settings, settings_from)
-from .render import (inert, load_file_with_status, load_with_status, prepare_with_progress, report, stats_table,
-                     stderr_console, stdout_console)
-
-
-def stream_answer(session: Session, prepared: PreparedDocument, question: str, *, answer_prefix: str,
-                  max_new_tokens: int, sampling: Sampling, out, show: bool) -> AnswerResult:
-    """Generate one answer, printing it as it comes when `show`; returns its numbers."""
-    stream = session.ask(prepared, question, answer_prefix=answer_prefix,
-                         max_new_tokens=max_new_tokens, sampling=sampling)
-    if show:
-        out.print(inert(answer_prefix), end="")
-    for piece in stream:
-        if show:
-            out.print(inert(piece), end="")
-            out.file.flush()
-    if show:
-        out.print()
-    return stream.result
+                      StoreBitsOption, StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption,
+                      WindowOption, explicit_settings, settings_from)
 
 
 def ask(
@@ -48,13 +28,16 @@ def ask(
     kernel: KernelOption = DEFAULTS.kernel,
     pooling: PoolingOption = DEFAULTS.pooling,
     query_aware: QueryAwareOption = DEFAULTS.query_aware,
+    store_keep: StoreKeepOption = DEFAULTS.store_keep,
+    store_method: StoreMethodOption = DEFAULTS.store_method,
+    store_bits: StoreBitsOption = DEFAULTS.store_bits,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_compress: NoCompressOption = False,
     no_store: bool = typer.Option(False, "--no-store",
                                   help="Neither look the document up in the cache store nor save it there."),
     skip_digest: SkipDigestOption = False,
     truncate: TruncateOption = None,
-    max_new_tokens: int = typer.Option(256, min=1, help="Longest answer, in tokens."),
+    max_new_tokens: MaxTokensOption = 256,
     temperature: float = typer.Option(0.0, min=0.0, help="0 for greedy decoding."),
     top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling threshold when temperature > 0."),
     seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
@@ -64,6 +47,11 @@ def ask(
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout; progress goes to stderr."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the answers: no question line, no stats."),
+    no_log: bool = typer.Option(False, "--no-log", help="Keep these answers out of the log (`snapkv logs`); "
+                                                        "SNAPKV_NOLOG=1 does the same."),
+    no_server: bool = typer.Option(False, "--no-server", help="Run here even when `snapkv serve` is running "
+                                                              "(SNAPKV_NO_SERVER=1 does the same)."),
 ) -> None:
     """Answer QUESTIONS about SOURCE, streaming each answer, then show speed and memory.
 
@@ -72,11 +60,20 @@ def ask(
     file is answered as it was made; settings given with it apply where the file can serve them (a smaller
     --budget) and are refused, saying what it holds, where it cannot.
     """
-    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget)
+    from snapkv.documents import read_sources
+    from snapkv.generation import Sampling
+    from snapkv.session import Session
+    from snapkv.store import CacheStore
+
+    from .render import (inert, load_file_with_status, load_with_status, log_answers, prepare_with_progress,
+                         report, stats_table, stderr_console, stdout_console, stream_answer)
+
+    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
+                             store_method, store_bits)
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     err, out = stderr_console(), stdout_console()
 
-    from_file = source.endswith(SUFFIX)
+    from_file = source.endswith(CACHE_SUFFIX)
     started = time.perf_counter()
     with err.status("Reading documents..."):
         document = None if from_file else read_sources(source, password)
@@ -90,14 +87,18 @@ def ask(
         prepared = prepare_with_progress(err, session, document)
 
     answers = []
-    for question in questions:
-        if not as_json:
-            err.print("Q: " + inert(question), markup=False)
-        answers.append(stream_answer(session, prepared, question, answer_prefix=answer_prefix,
-                                     max_new_tokens=max_new_tokens, sampling=sampling, out=out, show=not as_json))
-    data = report(loaded, prepared, answers, {"model_load_seconds": model_load_seconds,
-                                              "ingest_seconds": ingest_seconds})
+    timings = {"model_load_seconds": model_load_seconds, "ingest_seconds": ingest_seconds}
+    try:
+        for question in questions:
+            if not as_json and not quiet:
+                err.print("Q: " + inert(question), markup=False)
+            stream_answer(session, prepared, question, answer_prefix=answer_prefix, max_new_tokens=max_new_tokens,
+                          sampling=sampling, out=out, err=err, show=not as_json, results=answers)
+    finally:  # interrupted answers are logged too, as far as they got
+        if not no_log:
+            log_answers(err, "ask", report(loaded, prepared, answers, timings))
+    data = report(loaded, prepared, answers, timings)
     if as_json:
         sys.stdout.write(json.dumps(data) + "\n")
-    else:
+    elif not quiet:
         err.print(stats_table(data))

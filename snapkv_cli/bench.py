@@ -7,34 +7,36 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
-
-from snapkv.bench import BenchResult, run_bench
 from snapkv.config import DEFAULTS
-from snapkv.models import random_weights_model
 from snapkv.sizes import parse_sizes
 
-from .options import (DeviceMapOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
-                      BudgetsOption, PoolingOption, QueryAwareOption, WindowOption, settings_from)
-from .render import load_with_status, pyplot, stderr_console, stdout_console
+from .options import (BudgetsOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, LengthsOption,
+                      ModelOption, PoolingOption, QueryAwareOption, StoreBitsOption, StoreKeepOption,
+                      StoreMethodOption, WindowOption, settings_from)
 
 
-def _table(result: BenchResult) -> Table:
+def _table(result):
+    from rich.table import Table
+
     table = Table(title=f"{result.model} on {result.device}, {result.dtype}")
     kind = "CUDA peak" if result.device.startswith("cuda") else "RSS+"
-    for column in ("length", "method", "budget", "prefill s", "TTFT s", "decode ms/tok", "KV MiB",
-                   f"prefill {kind} MiB", f"answer {kind} MiB", "needle"):
+    for column in ("length", "method", "budget", "prefill s (tier)", "TTFT s", "decode ms/tok", "KV MiB",
+                   "stored MiB", f"prefill {kind} MiB", f"answer {kind} MiB", "needle"):
         table.add_column(column, justify="right")
     for row in result.rows:
         needle = "-" if row.needle_found is None else ("found" if row.needle_found else "missed")
         method = row.method + ("-qa" if row.query_aware else "")
-        table.add_row(str(row.length), method, str(row.budget or "-"), f"{row.prefill_seconds:.2f}",
+        tier = f" ({row.tier_seconds:.2f})" if row.tier_seconds >= 0.005 else ""
+        table.add_row(str(row.length), method, str(row.budget or "-"), f"{row.prefill_seconds:.2f}{tier}",
                       f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}", f"{row.kv_bytes / 2**20:.1f}",
-                      f"{row.peak_memory_bytes / 2**20:.0f}", f"{row.answer_peak_memory_bytes / 2**20:.0f}", needle)
+                      f"{row.stored_bytes / 2**20:.1f}", f"{row.peak_memory_bytes / 2**20:.0f}",
+                      f"{row.answer_peak_memory_bytes / 2**20:.0f}", needle)
     return table
 
 
-def _plot(result: BenchResult, path: Path) -> None:
+def _plot(result, path: Path) -> None:
+    from .render import pyplot
+
     plt = pyplot()
     figure, (decode, memory) = plt.subplots(1, 2, figsize=(11, 4))
     series = sorted({(row.method, row.budget) for row in result.rows}, key=lambda s: (s[0], s[1] or 0))
@@ -67,6 +69,9 @@ def bench(
     kernel: KernelOption = DEFAULTS.kernel,
     pooling: PoolingOption = DEFAULTS.pooling,
     query_aware: QueryAwareOption = DEFAULTS.query_aware,
+    store_keep: StoreKeepOption = DEFAULTS.store_keep,
+    store_method: StoreMethodOption = DEFAULTS.store_method,
+    store_bits: StoreBitsOption = DEFAULTS.store_bits,
     decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded to time decode speed."),
     repeats: int = typer.Option(3, min=1, help="Answers timed per method, in turn; the medians are reported."),
     allow_extrapolation: bool = typer.Option(False, help="Allow lengths past the model's context (speed and memory only)."),
@@ -77,9 +82,15 @@ def bench(
     plot: Optional[Path] = typer.Option(None, help="Write a PNG of decode time and KV memory against length."),
 ) -> None:
     """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle."""
+    from snapkv.bench import run_bench
+    from snapkv.models import random_weights_model
+
+    from .render import load_with_status, stderr_console, stdout_console
+
     lengths = parse_sizes(length, name="--length", minimum=16)
     budgets = parse_sizes(budget, name="--budget")
-    settings = settings_from(budgets[0], window, kernel, pooling, query_aware)
+    settings = settings_from(budgets[0], window, kernel, pooling, query_aware, store_keep=store_keep,
+                             store_method=store_method, store_bits=store_bits)
     err = stderr_console()
     if random_weights is not None:
         with err.status("Building a random-weights model..."):

@@ -4,14 +4,9 @@ import json
 import time
 
 import typer
-from rich.table import Table
-
 from snapkv.errors import ConfigError
-from snapkv.store import CacheStore
 
-from .render import inert, stdout_console
-
-app = typer.Typer(help="List and delete the saved caches in the store.", no_args_is_help=True)
+app = typer.Typer(help="List and delete the saved caches in the store.", no_args_is_help=True, rich_markup_mode=None)
 
 
 def _age(seconds: float) -> str:
@@ -24,6 +19,12 @@ def _age(seconds: float) -> str:
 @app.command(name="list")
 def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the entries as JSON.")) -> None:
     """List the saved caches with their sizes, ages, models and sources."""
+    from rich.table import Table
+
+    from snapkv.store import CacheStore
+
+    from .render import inert, stdout_console
+
     store = CacheStore()
     entries = store.entries()
     if as_json:
@@ -31,7 +32,8 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
                            "metadata": e.metadata} for e in entries]))
         return
     console = stdout_console()
-    console.print(f"{len(entries)} caches, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(str(store.root))}",
+    count = f"{len(entries)} cache{'' if len(entries) == 1 else 's'}"
+    console.print(f"{count}, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(str(store.root))}",
                   soft_wrap=True)
     table = Table()
     for column in ("key", "size", "age", "model", "tokens", "mode", "sources"):
@@ -49,6 +51,8 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
 @app.command(name="rm")
 def remove(keys: list[str] = typer.Argument(..., help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
     """Delete saved caches by key."""
+    from snapkv.store import CacheStore
+
     store = CacheStore()
     known = [entry.key for entry in store.entries()]
     for prefix in keys:
@@ -62,6 +66,8 @@ def remove(keys: list[str] = typer.Argument(..., help="Keys (or unique key prefi
 @app.command(name="clear")
 def clear(yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")) -> None:
     """Delete every saved cache."""
+    from snapkv.store import CacheStore
+
     store = CacheStore()
     entries = store.entries()
     if not entries:

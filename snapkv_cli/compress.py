@@ -4,20 +4,20 @@ from pathlib import Path
 
 import typer
 
-from snapkv.cachefile import SUFFIX, read_metadata
 from snapkv.config import DEFAULTS
-from snapkv.documents import read_sources
 from snapkv.errors import CacheFileError, ConfigError
-from snapkv.session import Session
+from snapkv.paths import CACHE_SUFFIX as SUFFIX
 
 from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
-                      NoCompressOption, PasswordOption, PoolingOption, QueryAwareOption, StoreBudgetOption,
-                      TruncateOption, WindowOption, settings_from)
-from .render import load_with_status, prepare_with_progress, stderr_console
+                      NoCompressOption, PasswordOption, PoolingOption, QueryAwareOption, StoreBitsOption,
+                      StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption, WindowOption,
+                      settings_from)
 
 
 def compress(
-    source: str = typer.Argument(..., help="A document (.txt, .md, .pdf, .html), a folder of them, or - for stdin."),
+    source: str = typer.Argument(..., help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, or "
+                                           "a saved .snapkv file of a whole prompt in 16 bits to cut to a smaller "
+                                           "tier without a new prefill."),
     output: Path = typer.Option(..., "--output", "-o", help=f"The cache file to write (ends in {SUFFIX})."),
     model: ModelOption = None,
     budget: BudgetOption = DEFAULTS.budget,
@@ -25,6 +25,9 @@ def compress(
     kernel: KernelOption = DEFAULTS.kernel,
     pooling: PoolingOption = DEFAULTS.pooling,
     query_aware: QueryAwareOption = DEFAULTS.query_aware,
+    store_keep: StoreKeepOption = DEFAULTS.store_keep,
+    store_method: StoreMethodOption = DEFAULTS.store_method,
+    store_bits: StoreBitsOption = DEFAULTS.store_bits,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_compress: NoCompressOption = False,
     truncate: TruncateOption = None,
@@ -32,12 +35,19 @@ def compress(
     device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
+    as_json: bool = typer.Option(False, "--json", help="Print what was saved as one JSON object on stdout."),
 ) -> None:
     """Prefill SOURCE, compress its KV cache, and save it to --output for later questions.
 
     The same settings make the same cache as `snapkv ask SOURCE` does, so `snapkv ask FILE.snapkv` answers
     as `snapkv ask SOURCE` would.
     """
+    from snapkv.cachefile import read_metadata
+    from snapkv.documents import read_sources
+    from snapkv.session import Session
+
+    from .render import load_with_status, prefill_progress, prepare_with_progress, stderr_console
+
     if output.suffix != SUFFIX:
         raise ConfigError(f"--output must end in {SUFFIX}, got {output}")
     if output.exists():
@@ -45,18 +55,45 @@ def compress(
             read_metadata(output)
         except CacheFileError as error:
             raise ConfigError(f"{output} exists and is not a snapkv cache; refusing to overwrite it") from error
-    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget)
+    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
+                             store_method, store_bits)
     err = stderr_console()
+    from_file = source.endswith(SUFFIX)
     with err.status("Reading documents..."):
-        document = read_sources(source, password)
+        document = None if from_file else read_sources(source, password)
     loaded, _ = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, truncate=truncate)
-    prepared = prepare_with_progress(err, session, document)
+    if from_file:
+        with err.status("Loading saved cache..."):
+            whole = session.load_file(source)
+        if whole.tier.cut is not None or whole.tier.bits != 16:
+            raise ConfigError(f"{source} holds {whole.tier.describe()}: only a file of the whole prompt in 16 bits "
+                              "can be cut again without a prefill. Compress the document itself.")
+        with prefill_progress(err, whole.tokens, settings.store_method if settings else None) as (_, on_step):
+            prepared = session.derive(whole, on_step=on_step)
+    else:
+        prepared = prepare_with_progress(err, session, document)
     with err.status("Saving..."):
         session.save(prepared, output)
     cache = prepared.cache
+    full = cache.full_kv_bytes(2)
+    if as_json:
+        import json
+
+        from .render import SCHEMA_VERSION
+
+        print(json.dumps({
+            "schema_version": SCHEMA_VERSION, "path": str(output), "file_bytes": prepared.file_bytes,
+            "tokens": prepared.tokens, "mode": prepared.mode, "tier": prepared.tier.to_dict(),
+            "per_question": prepared.per_question.to_dict() if prepared.per_question else None,
+            "stored_tokens": cache.kept_tokens, "kept_per_question": prepared.kept_per_question,
+            "stored_kv_bytes": cache.stored_kv_bytes, "full_kv_bytes_16bit": full,
+            "prefill_seconds": round(prepared.prefill_seconds, 4), "tier_seconds": round(prepared.tier_seconds, 4),
+            "save_seconds": round(prepared.save_seconds, 4)}))
+        return
     err.print(f"{prepared.tokens} tokens, {prepared.mode}: {prepared.tier.describe()} saved "
-              f"({cache.kept_tokens} positions per KV head per layer, KV {cache.kv_bytes / 2**20:.1f} MiB of "
-              f"{cache.full_kv_bytes() / 2**20:.1f} MiB); each answer decodes against {prepared.kept_per_question} "
-              f"per head; prefill {prepared.prefill_seconds:.2f} s", markup=False)
+              f"({cache.kept_tokens} positions per KV head per layer, KV {cache.stored_kv_bytes / 2**20:.1f} MiB, "
+              f"{full / max(cache.stored_kv_bytes, 1):.1f}x less than the full cache's {full / 2**20:.1f} MiB in 16 "
+              f"bits); each answer decodes against {prepared.kept_per_question} per head; "
+              f"{'cut' if from_file else 'prefill'} {prepared.prefill_seconds:.2f} s", markup=False)
     err.print(f"saved {output} ({prepared.file_bytes / 2**20:.1f} MiB in {prepared.save_seconds:.2f} s)", markup=False)

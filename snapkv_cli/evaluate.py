@@ -8,18 +8,15 @@ from enum import Enum
 from typing import Annotated, Optional
 
 import typer
-from rich.table import Table
-
 from snapkv.config import DEFAULTS
 from snapkv.errors import ConfigError
-from snapkv.evaluation import EvalSetting, NeedleResult, many_questions, needle_grid
 from snapkv.sizes import parse_size, parse_sizes
 
 from .options import (BudgetsOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
-                      PoolingOption, WindowOption, settings_from)
-from .render import load_with_status, pyplot, stderr_console, stdout_console
+                      PoolingOption, StoreBitsOption, StoreKeepOption, StoreMethodOption, WindowOption, settings_from)
 
-app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True)
+app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True,
+                  rich_markup_mode=None)
 
 
 class EvalMode(str, Enum):
@@ -32,13 +29,19 @@ ModesOption = Annotated[list[EvalMode], typer.Option(
 BOTH_MODES = [EvalMode.query_aware, EvalMode.document_window]
 
 
-def _settings(budgets: str, modes: list[EvalMode], window: int, kernel: int, pooling: str) -> list[EvalSetting]:
-    base = settings_from(DEFAULTS.budget, window, kernel, pooling)
+def _settings(budgets: str, modes: list[EvalMode], window: int, kernel: int, pooling: str, store_keep: float | None,
+              store_method: str, store_bits: int) -> list:
+    from snapkv.evaluation import EvalSetting
+
+    base = settings_from(DEFAULTS.budget, window, kernel, pooling, store_keep=store_keep, store_method=store_method,
+                         store_bits=store_bits)
     chosen = tuple(dict.fromkeys(mode.value for mode in modes))
     return EvalSetting.grid(parse_sizes(budgets, name="--budget"), base, modes=chosen)
 
 
-def _heatmaps(result: NeedleResult, folder: Path) -> list[Path]:
+def _heatmaps(result, folder: Path) -> list[Path]:
+    from .render import pyplot
+
     plt = pyplot()
     folder.mkdir(parents=True, exist_ok=True)
     written = []
@@ -68,6 +71,9 @@ def needle(
     window: WindowOption = DEFAULTS.window,
     kernel: KernelOption = DEFAULTS.kernel,
     pooling: PoolingOption = DEFAULTS.pooling,
+    store_keep: StoreKeepOption = DEFAULTS.store_keep,
+    store_method: StoreMethodOption = DEFAULTS.store_method,
+    store_bits: StoreBitsOption = DEFAULTS.store_bits,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -75,11 +81,17 @@ def needle(
                                             help="Write one heatmap PNG per setting into this folder."),
 ) -> None:
     """The paper's needle-in-a-haystack grid: full cache vs SnapKV, per length and depth."""
+    from rich.table import Table
+
+    from snapkv.evaluation import needle_grid
+
+    from .render import load_with_status, stderr_console, stdout_console
+
     length_values = parse_sizes(lengths, name="--length", minimum=16)
     depth_values = [d / 100 for d in parse_sizes(depths, name="--depths", minimum=0)]
     if any(not 0 <= d <= 1 for d in depth_values):
         raise ConfigError("--depths are percentages from 0 to 100")
-    settings = _settings(budgets, modes, window, kernel, pooling)
+    settings = _settings(budgets, modes, window, kernel, pooling, store_keep, store_method, store_bits)
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
     too_long = [n for n in length_values if loaded.context_length and n + 200 > loaded.context_length]
@@ -116,12 +128,21 @@ def multi(
     window: WindowOption = DEFAULTS.window,
     kernel: KernelOption = DEFAULTS.kernel,
     pooling: PoolingOption = DEFAULTS.pooling,
+    store_keep: StoreKeepOption = DEFAULTS.store_keep,
+    store_method: StoreMethodOption = DEFAULTS.store_method,
+    store_bits: StoreBitsOption = DEFAULTS.store_bits,
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """One document with several facts, compressed once and saved; every question asked against the one cache."""
-    settings = _settings(budgets, modes, window, kernel, pooling)
+    from rich.table import Table
+
+    from snapkv.evaluation import many_questions
+
+    from .render import load_with_status, stderr_console, stdout_console
+
+    settings = _settings(budgets, modes, window, kernel, pooling, store_keep, store_method, store_bits)
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
     with err.status("Evaluating...") as status:

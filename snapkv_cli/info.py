@@ -6,27 +6,25 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.table import Table
-
-from snapkv.cachefile import load_cache, per_question_of, read_metadata, recorded_sources
-from snapkv.documents import read_sources, stale_sources
 from snapkv.errors import IncompatibleCacheError
 
 from .options import PasswordOption
-from .render import inert, stderr_console, stdout_console
 
 
 def describe(path: Path) -> dict:
     """The metadata plus sizes and per-layer kept counts (the file is fully validated)."""
+    from snapkv.cachefile import load_cache, per_question_of
+
     cache, metadata = load_cache(path)
     per_question = per_question_of(path, metadata)
     return {
         **metadata,
         "path": str(path),
         "file_bytes": path.stat().st_size,
-        "kv_bytes": cache.kv_bytes,
-        "kv_bytes_full": cache.full_kv_bytes(),
+        "kv_bytes": cache.stored_kv_bytes,
+        "kv_bytes_full": cache.full_kv_bytes(2),
         "kept_per_layer": [k.shape[1] for k in cache.keys],
+        "bytes_per_layer": cache.stored_layer_bytes(),
         "held": cache.tier.describe(),
         "answered_with": per_question.describe() if per_question else "the cache as it is",
     }
@@ -34,6 +32,9 @@ def describe(path: Path) -> dict:
 
 def staleness(data: dict, document: str | None, password: str | None) -> list[str]:
     """Why the cache no longer matches its document (the one given, else the recorded paths); [] if fresh."""
+    from snapkv.cachefile import recorded_sources
+    from snapkv.documents import read_sources, stale_sources
+
     recorded = recorded_sources(data["path"], data)
     given = read_sources(document, password) if document is not None else None
     return stale_sources(recorded, given)
@@ -48,6 +49,8 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print the metadata as one JSON object."),
 ) -> None:
     """Show what a saved cache holds: model, sources, lengths, settings, sizes, and whether it is stale."""
+    from .render import stderr_console
+
     with stderr_console().status("Reading..."):
         data = describe(file)
         stale = staleness(data, document, password)
@@ -61,12 +64,18 @@ def info(
 
 
 def show(data: dict) -> None:
+    from rich.table import Table
+
+    from .render import inert, stdout_console
+
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="dim")
     table.add_column(overflow="fold")
     model = data.get("model", {})
     table.add_row("file", inert(f"{data['path']} ({data['file_bytes'] / 2**20:.1f} MiB, format {data['version']})"))
-    table.add_row("model", inert(f"{model.get('name')} ({model.get('model_type')}), {data['dtype']}"))
+    storage = data.get("storage", {})
+    stored = storage.get("dtype") if storage.get("bits") == 16 else f"{storage.get('bits')}-bit"
+    table.add_row("model", inert(f"{model.get('name')} ({model.get('model_type')}); stored {stored}"))
     for source in data.get("sources", []):
         pages = f", {source['pages']} pages" if source.get("pages") else ""
         table.add_row("source", inert(f"{source['name']} ({source['size']} bytes{pages}, sha256 {source['sha256'][:12]})"))
@@ -76,7 +85,11 @@ def show(data: dict) -> None:
     table.add_row("mode", inert(str(data.get("mode"))))
     table.add_row("holds", inert(data["held"]))
     table.add_row("answers", inert(f"per question: {data['answered_with']}"))
-    table.add_row("KV memory", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB full")
+    table.add_row("KV", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB for the "
+                        f"full cache in 16 bits ({data['kv_bytes_full'] / max(data['kv_bytes'], 1):.1f}x)")
+    layers = [f"{index}: {kept} x {storage.get('bits', 16)}-bit, {size / 2**10:.0f} KiB" for index, (kept, size)
+              in enumerate(zip(data["kept_per_layer"], data["bytes_per_layer"]))]
+    table.add_row("per layer", "; ".join(layers))
     producer = data.get("producer", {})
     created = datetime.datetime.fromtimestamp(data.get("created", 0)).strftime("%Y-%m-%d %H:%M")
     table.add_row("made", inert(f"{created} by snapkv {producer.get('snapkv')}, transformers {producer.get('transformers')}"))

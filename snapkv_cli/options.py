@@ -5,22 +5,50 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from snapkv.config import DEFAULTS, SnapKVConfig
+from snapkv.sizes import parse_size
 
+
+def size(name: str, minimum: int = 1):
+    """A parser for an option that takes a size: 7000, 8k, 1m (k = 1024)."""
+    return lambda value: value if isinstance(value, int) else parse_size(value, name=name, minimum=minimum)
+
+
+MaxTokensOption = Annotated[int, typer.Option(parser=size("--max-new-tokens"), metavar="SIZE",
+                                              help="Longest answer, in tokens.")]
 ModelOption = Annotated[Optional[str], typer.Option(
     "--model", "-m", envvar="SNAPKV_MODEL",
     help="Hugging Face id (local cache only), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")]
-BudgetOption = Annotated[int, typer.Option(help="Positions kept per KV head per layer, the observation window included.")]
-WindowOption = Annotated[int, typer.Option(help="Observation window: how many final positions decide what is kept.")]
+BudgetOption = Annotated[int, typer.Option(
+    parser=size("--budget"), metavar="SIZE",
+    help="Positions kept per KV head per layer for each answer, the observation window included (1k = 1024).")]
+WindowOption = Annotated[int, typer.Option(
+    parser=size("--window"), metavar="SIZE", help="Observation window: how many final positions decide what is kept.")]
 KernelOption = Annotated[int, typer.Option(help="Width of the pooling over attention scores (odd); wider keeps whole numbers and names.")]
 PoolingOption = Annotated[Literal["max", "avg"], typer.Option(help="Pooling of the scores.")]
 QueryAwareOption = Annotated[bool, typer.Option(
     "--query-aware/--no-query-aware",
-    help="Query-aware: keep the whole prompt's cache and compress it per question, with the question as the "
-         "window. Otherwise compress once at prefill with the document's tail as the window.")]
+    help="Query-aware: save a stored tier of the document (--store-keep, --store-method, --store-bits) and cut it "
+         "to --budget per question, with the question as the window. Otherwise compress once at prefill to "
+         "--budget with the document's tail as the window (smallest file; finds fewer facts).")]
 NoCompressOption = Annotated[bool, typer.Option("--no-compress", help="Keep the full cache (the baseline).")]
 StoreBudgetOption = Annotated[Optional[int], typer.Option(
-    help="Query-aware: positions per head kept in the saved tier (default: the whole prompt); each question "
+    parser=size("--store-budget"), metavar="SIZE",
+    help="Query-aware: the saved tier as positions per head instead of a share (--store-keep); each question "
          "is then cut from that tier.")]
+StoreKeepOption = Annotated[Optional[float], typer.Option(
+    min=0.0, max=1.0,
+    help="Query-aware: the share of the document's positions the saved file keeps, chosen by --store-method "
+         "(the template around the document is always kept); 1 keeps the whole prompt. 0.7 at 4 bits is about "
+         "5x smaller than the full cache and answered the needle grid as it did; 0.5 is about 7x smaller and "
+         "missed 3 of 44 needles (README, What is saved).")]
+StoreMethodOption = Annotated[Literal["reconstruction", "snapkv", "pseudo-question", "key-norm"], typer.Option(
+    help="How the saved tier is chosen: pseudo-question (a generic question and the document's tail re-read "
+         "as windows; the most accurate measured), reconstruction (the positions the model needs to repeat the "
+         "document, KVzip's idea; one more pass over the document), snapkv (the document's tail as the window) "
+         "or key-norm (the smallest keys; no extra pass).")]
+StoreBitsOption = Annotated[Literal[16, 8, 4, 2], typer.Option(
+    help="Bits per saved key and value: 16 (lossless in bf16), 8 (about 1.9x smaller), 4 (about 3.6x) or 2 "
+         "(6.7x, loses most answers); grouped scales on KIVI's axes. Computation stays in the model's dtype.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]], typer.Option(
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "
@@ -40,17 +68,24 @@ BudgetsOption = Annotated[str, typer.Option(
     "--budget", "--budgets", help="SnapKV budgets (positions kept per KV head, window included), comma-separated.")]
 
 # The SnapKVConfig fields a command line sets; `explicit_settings` tells which were typed.
-SETTING_OPTIONS = ("budget", "window", "kernel", "pooling", "query_aware", "store_budget", "no_compress")
+SETTING_OPTIONS = ("budget", "window", "kernel", "pooling", "query_aware", "no_compress", "store_budget",
+                   "store_keep", "store_method", "store_bits")
+STORE_OPTIONS = ("store_budget", "store_keep", "store_method", "store_bits")
 
 
 def settings_from(budget: int = DEFAULTS.budget, window: int = DEFAULTS.window, kernel: int = DEFAULTS.kernel,
                   pooling: str = DEFAULTS.pooling, query_aware: bool = DEFAULTS.query_aware,
-                  no_compress: bool = False, store_budget: int | None = None) -> SnapKVConfig | None:
+                  no_compress: bool = False, store_budget: int | None = None,
+                  store_keep: float | None = DEFAULTS.store_keep, store_method: str = DEFAULTS.store_method,
+                  store_bits: int = DEFAULTS.store_bits) -> SnapKVConfig | None:
     """The settings a command line asks for; None for --no-compress (the full cache)."""
     if no_compress:
         return None
+    if store_budget is not None:
+        store_keep = None  # positions per head instead of the default share
     return SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling, query_aware=query_aware,
-                        store_budget=store_budget)
+                        store_budget=store_budget, store_keep=store_keep, store_method=store_method,
+                        store_bits=store_bits)
 
 
 def explicit_settings(ctx: typer.Context) -> frozenset[str]:

@@ -5,20 +5,21 @@ is read off a session.
 """
 
 import re
-import resource
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from snapkv.memory import process_peak_bytes
 from snapkv.models import LoadedModel, load_model
+from snapkv.generation import Sampling
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+SCHEMA_VERSION = 1  # of every JSON object the commands print; raised when a key changes meaning or goes
 
 
 def inert(text: str) -> str:
@@ -38,7 +39,7 @@ def stdout_console() -> Console:
 
 
 def warn(err: Console, message: str) -> None:
-    err.print("warning: " + inert(message), markup=False)
+    err.print("warning: " + inert(message), markup=False, soft_wrap=True)  # not cut into lines: paths stay whole
 
 
 def pyplot():
@@ -55,38 +56,60 @@ def pyplot():
     return plt
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return sum(torch.cuda.max_memory_allocated(index) for index in range(torch.cuda.device_count()))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def load_with_status(err: Console, model: str | None, device: str, dtype: str,
                      device_map: str | None = None) -> tuple[LoadedModel, float]:
-    with err.status("Loading model..."):
-        started = time.perf_counter()
-        loaded = load_model(model, device=device, dtype=dtype, device_map=device_map)
+    """The model, with a spinner while it loads and one progress bar of ours the first time a GGUF file (the
+    embedded model) is converted."""
+    from snapkv.models import MODEL_POOL
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
+                        transient=True)
+    task = None
+
+    def on_convert(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            status.stop()
+            progress.start()
+            task = progress.add_task("Converting the model once to safetensors (about 30 s; later loads take "
+                                     "seconds)", total=total)
+        progress.update(task, completed=done, total=total)
+
+    status = err.status("Loading model...")
+    status.start()
+    started = time.perf_counter()
+    try:
+        loader = MODEL_POOL.get if MODEL_POOL is not None else load_model
+        loaded = loader(model, device=device, dtype=dtype, device_map=device_map, on_convert=on_convert)
+    finally:
+        status.stop()
+        progress.stop()
     return loaded, time.perf_counter() - started
 
 
 @contextmanager
-def prefill_progress(err: Console, tokens: int):
-    """A per-layer progress bar with tokens/s; yields the on_layer callback for Session.prepare."""
-    progress = Progress(TextColumn("Prefilling {task.fields[detail]}"), BarColumn(),
-                        TextColumn("layer {task.completed}/{task.total}"), TextColumn("{task.fields[rate]}"),
-                        TimeElapsedColumn(), console=err, transient=True)
-    task = None
+def prefill_progress(err: Console, tokens: int, scoring: str | None = None):
+    """Progress bars for a prefill (per layer, with tokens/s) and, where the stored tier is chosen after it,
+    for its scoring passes; yields the (on_layer, on_step) callbacks for Session.prepare."""
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[unit]}"),
+                        TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err, transient=True)
+    tasks: dict[str, int] = {}
     started = time.perf_counter()
 
     def on_layer(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:
-            task = progress.add_task("prefill", total=total, detail=f"{tokens} tokens", rate="")
+        if "prefill" not in tasks:
+            tasks["prefill"] = progress.add_task(f"Prefilling {tokens} tokens", total=total, unit="", rate="")
         elapsed = time.perf_counter() - started
-        progress.update(task, completed=done, rate=f"{tokens * done / total / max(elapsed, 1e-9):,.0f} tokens/s")
+        progress.update(tasks["prefill"], completed=done, unit=f"layer {done}/{total}",
+                        rate=f"{tokens * done / total / max(elapsed, 1e-9):,.0f} tokens/s")
+
+    def on_step(done: int, total: int) -> None:
+        if "scoring" not in tasks:
+            tasks["scoring"] = progress.add_task(f"Choosing the stored tier ({scoring})", total=total, unit="", rate="")
+        progress.update(tasks["scoring"], completed=done, unit=f"pass {done}/{total}")
 
     with progress:
-        yield on_layer
+        yield on_layer, on_step
 
 
 def prepare_with_progress(err: Console, session: Session, document) -> PreparedDocument:
@@ -95,8 +118,10 @@ def prepare_with_progress(err: Console, session: Session, document) -> PreparedD
     if prompt.truncation:
         warn(err, f"the document was cut by {prompt.truncation.tokens} tokens ({prompt.truncation.side}) "
                   "to fit the model's context")
-    with prefill_progress(err, prompt.tokens) as on_layer:
-        prepared = session.prepare(prompt, on_layer=on_layer)
+    settings = session.settings
+    scoring = settings.store_method if settings is not None and settings.stored_tier is not None else None
+    with prefill_progress(err, prompt.tokens, scoring) as (on_layer, on_step):
+        prepared = session.prepare(prompt, on_layer=on_layer, on_step=on_step)
     for note in prepared.notes:
         warn(err, note)
     return prepared
@@ -117,8 +142,9 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
     cache, cut = prepared.cache, prepared.per_question or prepared.tier.cut
     truncation = prepared.tier.truncation
     return {
+        "schema_version": SCHEMA_VERSION,
         "answers": [
-            {"question": a.question, "answer": a.text, "new_tokens": a.new_tokens,
+            {"question": a.question, "answer": a.text, "new_tokens": a.new_tokens, "finish_reason": a.finish_reason,
              "ttft_seconds": round(a.ttft_seconds, 4), "decode_tokens_per_second": round(a.decode_tokens_per_second, 2)}
             for a in answers
         ],
@@ -135,13 +161,14 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
             "kept_tokens": prepared.kept_per_question,
             "stored_tokens": cache.kept_tokens,
             "kv_bytes": cache.kv_bytes,
+            "stored_kv_bytes": cache.stored_kv_bytes,
             "kv_bytes_full": cache.full_kv_bytes(),
         },
         "cache": {"path": str(prepared.path) if prepared.path else None, "hit": prepared.hit,
                   "bytes": prepared.file_bytes, "load_seconds": round(prepared.load_seconds, 4),
                   "save_seconds": round(prepared.save_seconds, 4)},
         "timings": {k: round(v, 4) for k, v in {**timings, "prefill_seconds": prepared.prefill_seconds}.items()},
-        "memory": {"peak_bytes": peak_memory_bytes(loaded.device), "device": str(loaded.device),
+        "memory": {"peak_bytes": process_peak_bytes(loaded.device), "device": str(loaded.device),
                    # per phase: CUDA max allocated (weights included) / CPU RSS growth during the phase
                    "prefill_peak_bytes": prepared.prefill_peak_bytes,
                    "answer_peak_bytes": max((a.peak_bytes for a in answers), default=0)},
@@ -162,9 +189,13 @@ def stats_table(data: dict) -> Table:
     ratio = data["document"]["tokens"] / max(comp["kept_tokens"], 1)
     if comp["mode"] == "full":
         table.add_row("kept", "everything (full cache)")
+    elif comp["kept_tokens"] >= data["document"]["tokens"]:
+        table.add_row("kept", f"everything: the {data['document']['tokens']}-token prompt fits the budget "
+                              f"({comp['mode']})")
     else:
         table.add_row("kept", f"{comp['kept_tokens']} per head per layer ({ratio:.1f}x fewer, {comp['mode']})")
-    table.add_row("KV memory", f"{_mib(comp['kv_bytes'])} stored, {_mib(comp['kv_bytes_full'])} full")
+    table.add_row("KV memory", f"{_mib(comp['kv_bytes'])} in memory, {_mib(comp['stored_kv_bytes'])} stored, "
+                               f"{_mib(comp['kv_bytes_full'])} full")
     if cache["hit"]:
         table.add_row("cache", f"hit, loaded in {cache['load_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     else:
@@ -172,8 +203,10 @@ def stats_table(data: dict) -> Table:
         if cache["path"]:
             table.add_row("cache", f"saved in {cache['save_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     for answer in data["answers"]:
+        ended = {"stop": "", "length": ", stopped at the token limit", "interrupted": ", interrupted"}
         table.add_row("answer", f"first token {answer['ttft_seconds']:.2f} s, "
-                                f"{answer['decode_tokens_per_second']:.1f} tokens/s, {answer['new_tokens']} tokens")
+                                f"{answer['decode_tokens_per_second']:.1f} tokens/s, {answer['new_tokens']} tokens"
+                                f"{ended.get(answer['finish_reason'], '')}")
     memory = data["memory"]
     if memory["device"].startswith("cuda"):
         phases = f"prefill {_mib(memory['prefill_peak_bytes'])}, " if not cache["hit"] else ""
@@ -184,3 +217,50 @@ def stats_table(data: dict) -> Table:
         table.add_row("peak memory", f"{_mib(memory['peak_bytes'])} RSS ({phases}answers "
                                      f"+{_mib(memory['answer_peak_bytes'])})")
     return table
+
+
+def stream_answer(session: Session, prepared: PreparedDocument, question: str, *, answer_prefix: str,
+                  max_new_tokens: int, sampling: Sampling, out: Console, err: Console, show: bool,
+                  results: list[AnswerResult]) -> AnswerResult:
+    """Generate one answer, printing it as it comes when `show` (a spinner on stderr until its first token);
+    its numbers are appended to `results`, an interrupted answer's too, before the interrupt goes on."""
+    stream = session.ask(prepared, question, answer_prefix=answer_prefix,
+                         max_new_tokens=max_new_tokens, sampling=sampling)
+    spinner = err.status("Thinking...") if show else None
+    if spinner:
+        spinner.start()
+    try:
+        for piece in stream:
+            if spinner:
+                spinner.stop()
+                spinner = None
+                out.print(inert(answer_prefix), end="")
+            if show:
+                out.print(inert(piece), end="")
+                out.file.flush()
+        if spinner:  # an answer with no text at all
+            spinner.stop()
+            out.print(inert(answer_prefix), end="")
+        if show:
+            out.print()
+    finally:
+        if spinner:
+            spinner.stop()
+        if stream.result is not None:
+            results.append(stream.result)
+    return stream.result
+
+
+def log_answers(err: Console, command: str, data: dict) -> None:
+    """Append the answers of a report to the log (`snapkv logs`), unless SNAPKV_NOLOG is set; a log that cannot
+    be written is a warning, never a failure."""
+    import sqlite3
+
+    from snapkv.logbook import Logbook, logging_disabled
+
+    if logging_disabled() or not data["answers"]:
+        return
+    try:
+        Logbook().record(command, data)
+    except (OSError, sqlite3.Error) as error:
+        warn(err, f"the answer was not logged ({error}); SNAPKV_NOLOG=1 turns the log off")

@@ -1,45 +1,67 @@
-"""snapkv repl: an interactive session over one loaded cache; each line is a question."""
+"""snapkv repl: an interactive session over one loaded cache; each line is a question or a /command."""
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 import typer
 
-from snapkv.cachefile import SUFFIX
 from snapkv.config import DEFAULTS
-from snapkv.documents import read_sources
 from snapkv.errors import SnapKVError
-from snapkv.generation import Sampling
-from snapkv.paths import snapkv_home
-from snapkv.session import Session
-from snapkv.store import CacheStore
+from snapkv.paths import CACHE_SUFFIX as SUFFIX
 
-from .ask import stream_answer
-from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
-                      PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption, TruncateOption, WindowOption,
+from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, MaxTokensOption,
+                      ModelOption,
+                      PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption, StoreBitsOption,
+                      StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption, WindowOption,
                       explicit_settings, settings_from)
-from .render import (load_file_with_status, load_with_status, prepare_with_progress, report, stats_table,
-                     stderr_console, stdout_console)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
-  /help              this text
-  /stats             document, cache and speed figures
-  /budget N          positions kept per head from now on (query-aware mode)
-  /query-aware on|off  compress per question with the question as the window, or not
-  /save FILE         save the loaded cache to FILE (.snapkv)
-  /exit              leave (Ctrl-D too). Ctrl-C stops an answer and keeps the session."""
+  /help                 this text
+  /show                 the settings in use
+  /set NAME VALUE       change one: budget, temperature, top-p, seed, max-tokens
+  /budget N             the same as /set budget N (turns query-aware on)
+  /query-aware on|off   cut the cache per question with the question as the window, or answer from all of it
+  /stats                document, cache and speed figures
+  /save NAME            save the loaded cache to NAME (.snapkv is added when missing)
+  /exit                 leave (Ctrl-D too). Ctrl-C stops an answer and keeps the session.
+Tab completes the commands; the input history is kept in the log (`snapkv logs`)."""
+COMMANDS = ("/help", "/show", "/set", "/budget", "/query-aware", "/stats", "/save", "/exit", "/quit")
+SETTABLE = ("budget", "temperature", "top-p", "seed", "max-tokens")
+
+
+class ReplError(Exception):
+    """A /command that cannot be done, told in a friendly line."""
+
+
+def _history():
+    """prompt_toolkit history kept in the log's SQLite file (nothing kept with SNAPKV_NOLOG)."""
+    from prompt_toolkit.history import History, InMemoryHistory
+
+    from snapkv.logbook import Logbook, logging_disabled
+
+    if logging_disabled():
+        return InMemoryHistory()
+
+    class LogbookHistory(History):
+        def load_history_strings(self):
+            return reversed(Logbook().history())  # newest first, as prompt_toolkit wants them
+
+        def store_string(self, string: str) -> None:
+            Logbook().add_history(string)
+
+    return LogbookHistory()
 
 
 def _terminal_lines() -> Iterator[str]:
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.completion import WordCompleter
 
-    history = snapkv_home() / "repl_history"
-    history.parent.mkdir(parents=True, exist_ok=True)
-    prompt = PromptSession(history=FileHistory(str(history)))
+    completer = WordCompleter([*COMMANDS, *SETTABLE, "on", "off"], sentence=True)
+    prompt = PromptSession(history=_history(), completer=completer, complete_while_typing=False)
     while True:
         try:
             yield prompt.prompt("? ")
@@ -67,6 +89,63 @@ def _questions(lines: Iterator[str]) -> Iterator[str]:
         yield pending
 
 
+def _number(name: str, value: str, kind=float, low: float | None = None, high: float | None = None):
+    try:
+        number = kind(value)
+    except ValueError:
+        raise ReplError(f"{name} takes {'a whole number' if kind is int else 'a number'}, not {value!r}") from None
+    if (low is not None and number < low) or (high is not None and number > high):
+        bounds = f"from {low} to {high}" if high is not None else f"at least {low}"
+        raise ReplError(f"{name} must be {bounds}, not {value}")
+    return number
+
+
+@dataclasses.dataclass
+class _State:
+    """What the session's answers are made with; /set and /budget change it."""
+
+    prepared: object
+    last_cut: object
+    sampling: object
+    max_new_tokens: int
+
+    def set(self, name: str, value: str) -> str:
+        if name == "budget":
+            from snapkv.sizes import parse_size
+
+            try:
+                budget = parse_size(value, name="budget")
+                self.last_cut = dataclasses.replace(self.last_cut, budget=budget)
+            except SnapKVError as error:
+                raise ReplError(str(error)) from None
+            self.prepared = self.prepared.answering_with(self.last_cut)
+            return f"budget {self.last_cut.budget} (query-aware on)"
+        if name == "temperature":
+            self.sampling = dataclasses.replace(self.sampling, temperature=_number(name, value, low=0.0))
+        elif name == "top-p":
+            self.sampling = dataclasses.replace(self.sampling, top_p=_number(name, value, low=0.0, high=1.0))
+        elif name == "seed":
+            self.sampling = dataclasses.replace(self.sampling, seed=None if value == "none" else
+                                                _number(name, value, int, low=0))
+        elif name == "max-tokens":
+            self.max_new_tokens = _number(name, value, int, low=1)
+        else:
+            raise ReplError(f"/set knows {', '.join(SETTABLE)}; not {name!r}")
+        return f"{name} {value}"
+
+    def show(self) -> str:
+        prepared, sampling = self.prepared, self.sampling
+        cut = prepared.per_question
+        return "\n".join([
+            f"mode         {prepared.mode}",
+            f"holds        {prepared.tier.describe()} ({prepared.cache.kept_tokens} positions per head)",
+            f"per question {cut.describe() if cut else 'none: answers use all it holds'}",
+            f"sampling     {'greedy' if sampling.temperature <= 0 else f'temperature {sampling.temperature}'}, "
+            f"top-p {sampling.top_p}, seed {sampling.seed}",
+            f"max-tokens   {self.max_new_tokens}",
+        ])
+
+
 def repl(
     ctx: typer.Context,
     source: str = typer.Argument(..., help="A document, a folder of them, or a saved .snapkv cache."),
@@ -76,22 +155,42 @@ def repl(
     kernel: KernelOption = DEFAULTS.kernel,
     pooling: PoolingOption = DEFAULTS.pooling,
     query_aware: QueryAwareOption = DEFAULTS.query_aware,
+    store_keep: StoreKeepOption = DEFAULTS.store_keep,
+    store_method: StoreMethodOption = DEFAULTS.store_method,
+    store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_store: bool = typer.Option(False, "--no-store", help="Neither look up nor save the document's cache."),
     skip_digest: SkipDigestOption = False,
     truncate: TruncateOption = None,
-    max_new_tokens: int = typer.Option(256, min=1, help="Longest answer, in tokens."),
+    max_new_tokens: MaxTokensOption = 256,
+    temperature: float = typer.Option(0.0, min=0.0, help="0 for greedy decoding."),
+    top_p: float = typer.Option(1.0, min=0.0, max=1.0, help="Nucleus sampling threshold when temperature > 0."),
+    seed: Optional[int] = typer.Option(None, help="Random seed for sampling."),
     answer_prefix: str = typer.Option("", help="Text that starts each answer."),
     device: DeviceOption = "auto",
     device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
+    as_json: bool = typer.Option(False, "--json", help="Print each answer as one JSON line on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No greeting and no stats at the end."),
+    no_log: bool = typer.Option(False, "--no-log", help="Keep this session's answers out of the log."),
 ) -> None:
     """Ask question after question about one document, from one loaded cache.
 
-    With stdin not a terminal, each line of stdin is a question (or a /command), so scripts can drive it.
+    With stdin not a terminal, each line of stdin is a question (or a /command), so scripts can drive it;
+    the exit code is then 2 if any /command failed.
     """
+    from snapkv.documents import read_sources
+    from snapkv.generation import Sampling
+    from snapkv.session import Session
+    from snapkv.store import CacheStore
+
+    from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress, report,
+                         stats_table, stderr_console, stdout_console, stream_answer)
+
     err, out = stderr_console(), stdout_console()
-    settings = settings_from(budget, window, kernel, pooling, query_aware)
+    settings = settings_from(budget, window, kernel, pooling, query_aware, False, store_budget, store_keep,
+                             store_method, store_bits)
     from_file = source.endswith(SUFFIX)
     document = None if from_file else read_sources(source, password)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
@@ -99,11 +198,14 @@ def repl(
                       truncate=truncate)
     prepared = (load_file_with_status(err, session, source, explicit_settings(ctx)) if from_file
                 else prepare_with_progress(err, session, document))
-    last_cut = prepared.per_question or settings.cut  # what /query-aware on and /budget start from
-    answers = []
+    state = _State(prepared, prepared.per_question or settings.cut,
+                   Sampling(temperature=temperature, top_p=top_p, seed=seed), max_new_tokens)
+    timings = {"model_load_seconds": model_load_seconds}
+    answers, failures = [], 0
     interactive = sys.stdin.isatty()
-    err.print(f"{prepared.tokens} tokens ready ({'loaded' if prepared.hit else 'prefilled'}). /help for commands.",
-              markup=False)
+    if not quiet:
+        err.print(f"{prepared.tokens} tokens ready ({'loaded' if prepared.hit else 'prefilled'}). /help for commands.",
+                  markup=False)
     for line in _questions(_terminal_lines() if interactive else _piped_lines()):
         line = line.strip()
         if not line:
@@ -116,34 +218,51 @@ def repl(
                     break
                 elif command == "/help":
                     err.print(HELP, markup=False)
+                elif command == "/show":
+                    err.print(state.show(), markup=False)
                 elif command == "/stats":
-                    err.print(stats_table(report(loaded, prepared, answers, {"model_load_seconds": model_load_seconds})))
+                    err.print(stats_table(report(loaded, state.prepared, answers, timings)))
+                elif command == "/set":
+                    name, _, value = argument.partition(" ")
+                    if not value.strip():
+                        raise ReplError(f"say /set NAME VALUE, NAME one of {', '.join(SETTABLE)}")
+                    err.print(state.set(name, value.strip()), markup=False)
                 elif command == "/budget":
-                    last_cut = dataclasses.replace(last_cut, budget=int(argument))
-                    prepared = prepared.answering_with(last_cut)
-                    err.print(f"budget {last_cut.budget} (query-aware on)", markup=False)
+                    err.print(state.set("budget", argument), markup=False)
                 elif command == "/query-aware":
                     if argument not in ("on", "off"):
-                        raise ValueError("say /query-aware on or /query-aware off")
-                    prepared = prepared.answering_with(last_cut if argument == "on" else None)
+                        raise ReplError("say /query-aware on or /query-aware off")
+                    state.prepared = state.prepared.answering_with(state.last_cut if argument == "on" else None)
                     err.print(f"query-aware {argument}", markup=False)
                 elif command == "/save":
-                    if not argument.endswith(SUFFIX):
-                        raise ValueError(f"the file name must end in {SUFFIX}")
-                    session.save(prepared, Path(argument))
-                    err.print(f"saved {argument} ({prepared.file_bytes / 2**20:.1f} MiB)", markup=False)
+                    if not argument:
+                        raise ReplError("say /save NAME")
+                    path = Path(argument if argument.endswith(SUFFIX) else argument + SUFFIX)
+                    session.save(state.prepared, path)
+                    err.print(f"saved {path} ({state.prepared.file_bytes / 2**20:.1f} MiB)", markup=False)
                 else:
-                    err.print(f"unknown command {command}; /help lists them", markup=False)
-            except (ValueError, SnapKVError) as error:
+                    raise ReplError(f"unknown command {command}; /help lists them")
+            except (ReplError, SnapKVError) as error:
+                failures += 1
                 err.print(f"error: {error}", markup=False)
             continue
         started = time.perf_counter()
+        count = len(answers)
         try:
-            answers.append(stream_answer(session, prepared, line, answer_prefix=answer_prefix,
-                                         max_new_tokens=max_new_tokens, sampling=Sampling(), out=out, show=True))
+            stream_answer(session, state.prepared, line, answer_prefix=answer_prefix,
+                          max_new_tokens=state.max_new_tokens, sampling=state.sampling, out=out, err=err,
+                          show=not as_json, results=answers)
         except KeyboardInterrupt:
             out.print()
             err.print(f"[answer stopped after {time.perf_counter() - started:.1f} s; the cache is unchanged]",
                       markup=False)
-    if not interactive and answers:
-        err.print(stats_table(report(loaded, prepared, answers, {"model_load_seconds": model_load_seconds})))
+        if as_json and len(answers) > count:
+            data = report(loaded, state.prepared, answers[count:], timings)
+            out.file.write(json.dumps({**data, "answers": data["answers"]}) + "\n")
+            out.file.flush()
+    if not no_log:
+        log_answers(err, "repl", report(loaded, state.prepared, answers, timings))
+    if not interactive and answers and not quiet and not as_json:
+        err.print(stats_table(report(loaded, state.prepared, answers, timings)))
+    if not interactive and failures:
+        raise typer.Exit(2)

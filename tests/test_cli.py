@@ -29,7 +29,7 @@ def test_help_explains_every_option(snapkv_home):
     (["ask", str(SAMPLE), "q", "--budget", "16", "--window", "32"], 2, "budget (16) must be larger"),
     (["ask", str(SAMPLE), "q", "--budget", "-1"], 2, "budget"),
     (["ask", str(SAMPLE), "q", "--budget", "0"], 2, "budget"),
-    (["ask", str(SAMPLE), "q", "--model", "nobody/no-such-model"], 3, "was not found"),
+    (["ask", str(SAMPLE), "q", "--model", "nobody/no-such-model"], 3, "is not a model folder"),
     (["ask", str(SAMPLE.parent / "configs" / "nothing-here"), "q"], 4, "no such file or folder"),
     (["ask", str(SAMPLE), "q", "--kernel", "4"], 2, "kernel"),
     (["ask", "missing.txt", "q"], 4, "no such file"),

@@ -39,7 +39,7 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
     entries = json.loads(invoke("cache", "list", "--json").stdout)
     assert len(entries) == 1 and entries[0]["bytes"] > 0
-    assert "1 caches" in invoke("cache", "list").stdout
+    assert "1 cache," in invoke("cache", "list").stdout
     assert invoke("cache", "rm", entries[0]["key"][:10]).exit_code == 0
     assert json.loads(invoke("cache", "list", "--json").stdout) == []
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
@@ -69,7 +69,7 @@ def test_compress_then_ask_the_file_answers_as_ask_the_document(home, tmp_path, 
 
 @pytest.mark.slow
 def test_asking_a_file_with_flags_that_contradict_it(home, tmp_path):
-    wide, narrow = tmp_path / "wide.snapkv", tmp_path / "narrow.snapkv"
+    wide, narrow, whole = tmp_path / "wide.snapkv", tmp_path / "narrow.snapkv", tmp_path / "whole.snapkv"
     assert invoke("compress", str(SAMPLE), "-o", str(wide), "--budget", "512").exit_code == 0
     assert invoke("compress", str(SAMPLE), "-o", str(narrow), "--budget", "512", "--no-query-aware").exit_code == 0
     # a smaller per-question budget is applied: the whole-prompt tier is cut to it per question
@@ -81,25 +81,35 @@ def test_asking_a_file_with_flags_that_contradict_it(home, tmp_path):
     # more than the file holds, or a mode the file cannot give: refused, naming both
     with pytest.raises(ConfigError, match=r"holds a document-window cache.*512.*--budget 1024 asks for more"):
         invoke("ask", str(narrow), REVENUE, "--budget", "1024", "--query-aware")
+    assert invoke("compress", str(SAMPLE), "-o", str(whole), "--budget", "512", "--store-keep", "1").exit_code == 0
     with pytest.raises(ConfigError, match=r"holds a query-aware cache \(whole prompt.*--no-query-aware asks for a "
                                           r"document-window cache"):
-        invoke("ask", str(wide), REVENUE, "--no-query-aware")
+        invoke("ask", str(whole), REVENUE, "--no-query-aware")
+    with pytest.raises(ConfigError, match=r"--store-\* options describe another stored tier"):
+        invoke("ask", str(wide), REVENUE, "--store-bits", "8")
     with pytest.raises(ConfigError, match=r"holds a document-window cache.*--no-compress asks for the full cache"):
         invoke("ask", str(narrow), REVENUE, "--no-compress")
 
 
 @pytest.mark.slow
 def test_the_repl_saves_what_the_cache_holds(home, tmp_path):
-    """/query-aware off on a whole-prompt cache, then /save: the file says it holds the whole prompt,
-    answered as it is (not a 1024 budget it never had)."""
+    """/query-aware off, then /save: the file says what it holds, answered as it is (not a 1024 budget it never
+    had): for a whole-prompt cache, and for the default stored tier."""
     saved = tmp_path / "after.snapkv"
-    result = invoke("repl", str(SAMPLE), input=f"/query-aware off\n/save {saved}\n/exit\n")
+    result = invoke("repl", str(SAMPLE), "--store-keep", "1", "--store-bits", "16",
+                    input=f"/query-aware off\n/save {saved}\n/exit\n")
     assert result.exit_code == 0, result.output
     described = json.loads(invoke("info", str(saved), "--json").stdout)
     assert described["mode"] == "full" and described["tier"]["cut"] is None and described["per_question"] is None
     assert min(described["kept_per_layer"]) == described["original_length"]
     human = invoke("info", str(saved)).stdout
     assert "whole prompt" in human and "the cache as it is" in human and "1024" not in human
+    tier = tmp_path / "tier.snapkv"
+    assert invoke("repl", str(SAMPLE), input=f"/query-aware off\n/save {tier}\n").exit_code == 0
+    described = json.loads(invoke("info", str(tier), "--json").stdout)
+    assert described["mode"] == "tier-only" and described["per_question"] is None
+    assert described["tier"]["cut"]["method"] == "pseudo-question" and described["tier"]["bits"] == 4
+    assert max(described["kept_per_layer"]) < described["original_length"]
 
 
 def test_compress_refuses_to_overwrite_a_foreign_file(home, tmp_path):
@@ -116,7 +126,7 @@ def test_repl_through_stdin(home, tmp_path):
     script = "\n".join([REVENUE, "/budget 512", "/query-aware off", "/stats", "Where will the next annual \\",
                         "general meeting be held?", f"/save {saved}", "/nonsense", "/exit", "never asked"]) + "\n"
     result = invoke("repl", str(SAMPLE), input=script)
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 2, result.output  # a /command failed (/nonsense): a script can tell
     assert "184.6" in result.stdout and "Wick" in result.stdout
     assert "budget 512" in result.stderr and "query-aware off" in result.stderr
     assert "unknown command /nonsense" in result.stderr

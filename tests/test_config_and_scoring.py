@@ -5,7 +5,7 @@ import torch
 
 from snapkv.config import DEFAULTS, Cut, SnapKVConfig, Tier, Truncation
 from snapkv.errors import ConfigError
-from snapkv.methods import SnapKV, method_from_dict, method_to_dict
+from snapkv.methods import PseudoQuestion, Reconstruction, SnapKV, method_from_dict, method_to_dict
 from snapkv.scoring import gather_positions, kept_indices, mean_over_query_groups, pool_scores, window_attention_scores
 
 
@@ -17,7 +17,11 @@ from snapkv.scoring import gather_positions, kept_indices, mean_over_query_group
     (dict(kernel=4), "kernel"),
     (dict(kernel=0), "kernel"),
     (dict(pooling="median"), "pooling"),
-    (dict(budget=1024, store_budget=512), "store_budget"),
+    (dict(budget=1024, store_keep=None, store_budget=512), "store_budget"),
+    (dict(store_keep=1.5), "fraction"),
+    (dict(store_keep=0.5, store_budget=2048), "not both"),
+    (dict(store_bits=3), "store_bits"),
+    (dict(store_method="magic"), "magic"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -26,10 +30,16 @@ def test_bad_settings_are_refused(kwargs, message):
 
 def test_which_cut_at_prefill_and_which_per_question():
     query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True)
-    assert query_aware.stored_tier is None and query_aware.mode == "query-aware"
+    assert query_aware.stored_tier == Cut(None, 32, PseudoQuestion(kernel=7), keep=DEFAULTS.store_keep)
+    assert query_aware.mode == "query-aware" and query_aware.store_bits == 4
     assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"))
-    tier = SnapKVConfig(budget=256, query_aware=True, store_budget=2048).stored_tier
-    assert tier == Cut(2048, 32, SnapKV())
+    assert SnapKVConfig(store_keep=None).stored_tier is None  # the whole prompt
+    tier = SnapKVConfig(budget=256, query_aware=True, store_keep=None, store_budget=2048,
+                        store_method="reconstruction").stored_tier
+    assert tier == Cut(2048, 32, Reconstruction())
+    tier = SnapKVConfig(budget=256, store_keep=0.5, store_method="snapkv", kernel=9).stored_tier
+    assert tier == Cut(None, 32, SnapKV(kernel=9), keep=0.5)
+    assert tier.sized_for(1000, range(20, 990)) == Cut(30 + 485, 32, SnapKV(kernel=9), keep=0.5)
     plain = SnapKVConfig(budget=256, query_aware=False)
     assert plain.stored_tier == Cut(256, 32, SnapKV()) and plain.per_question is None
     assert plain.mode == "document-window" and plain.stored_tier.prefix_keep == 256 - 32
@@ -45,9 +55,12 @@ def test_cuts_and_tiers_round_trip_through_their_dicts():
     cut = Cut(512, 16, SnapKV(kernel=9, pooling="avg"))
     assert cut.to_dict() == {"budget": 512, "window": 16, "method": "snapkv", "kernel": 9, "pooling": "avg"}
     assert Cut.from_dict(cut.to_dict()) == cut
-    tier = Tier(cut, Truncation("middle", 300))
+    tier = Tier(cut, 4, Truncation("middle", 300))
     assert Tier.from_dict(tier.to_dict()) == tier and Tier.from_dict(Tier().to_dict()) == Tier()
-    assert "middle" in tier.describe() and "300" in tier.describe() and Tier().describe() == "whole prompt"
+    assert "middle" in tier.describe() and "300" in tier.describe() and "4-bit" in tier.describe()
+    assert Tier().describe() == "whole prompt, 16-bit"
+    fraction = Cut(None, 8, Reconstruction(chunk=256), keep=0.25)
+    assert Cut.from_dict(fraction.to_dict()) == fraction and "25% of the document" in fraction.describe()
 
 
 def test_methods_are_named_and_unknown_ones_refused():

@@ -160,7 +160,8 @@ def test_budget_at_least_prompt_matches_full_cache_and_generate(tiny_model):
 
 @pytest.mark.parametrize("query_aware", [False, True])
 def test_cache_unchanged_by_answers_and_questions_independent(tiny_model, query_aware):
-    config = SnapKVConfig(budget=32, window=8, query_aware=query_aware, store_budget=64 if query_aware else None)
+    config = SnapKVConfig(budget=32, window=8, query_aware=query_aware, store_budget=64 if query_aware else None,
+                          store_keep=None, store_method="snapkv")
     cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 7), config.stored_tier)
     snapshot = type(cache)([k.clone() for k in cache.keys], [v.clone() for v in cache.values],
                            [p.clone() for p in cache.positions], cache.original_length, cache.token_ids)
@@ -184,7 +185,7 @@ def test_cache_unchanged_by_answers_and_questions_independent(tiny_model, query_
 def test_query_aware_pass_keeps_the_budget_and_the_question():
     """In query-aware mode each layer is cut to budget-window document positions plus the question."""
     model = build_tiny("llama-gqa")
-    config = SnapKVConfig(budget=24, window=8)
+    config = SnapKVConfig(budget=24, window=8, store_keep=None)
     cache = prefill(model, random_ids(PROMPT_LENGTH, 10), config.stored_tier)
     assert not cache.compressed  # the stored tier is the whole prompt
     question = random_ids(5, 11)

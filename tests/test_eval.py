@@ -39,7 +39,8 @@ def test_many_questions_from_one_saved_cache(home):
     data = json.loads(result.stdout)
     assert set(data["found"]) == {"full", "query-aware 512"}
     assert all(len(found) == 3 for found in data["found"].values())
-    assert data["accuracy"]["query-aware 512"] >= data["accuracy"]["full"] - 1 / 3
+    # at most one fact fewer than the full cache (counted, not compared as floats: 2/3 < 1 - 1/3 in floats)
+    assert sum(data["found"]["query-aware 512"]) >= sum(data["found"]["full"]) - 1
     assert data["file_bytes"]["full"] > 0
 
 

@@ -138,7 +138,7 @@ def test_a_bug_is_an_internal_error_and_debug_shows_the_traceback(cli, monkeypat
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("snapkv_cli.ask.read_sources", broken)
+    monkeypatch.setattr("snapkv.documents.read_sources", broken)
     plain = cli("ask", SAMPLE, "q")
     assert plain.code == 1 and "internal error: ZeroDivisionError: a bug" in plain.stderr
     assert "--debug" in plain.stderr and "Traceback" not in plain.stderr

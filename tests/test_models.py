@@ -44,7 +44,7 @@ def test_unknown_hub_id_offline(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ModelNotFoundError, match="not found"):
+    with pytest.raises(ModelNotFoundError, match="snapkv never downloads"):
         load_model("example/no-such-model", device="cpu")
 
 

@@ -7,6 +7,7 @@ import pickle
 import signal
 import struct
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def caches_equal(a, b) -> bool:
                                                       b.keys + b.values + b.positions)))
 
 
-def saved(tiny_loaded, tmp_path, settings=SnapKVConfig(budget=64, window=8, query_aware=False)):
+def saved(tiny_loaded, tmp_path, settings=SnapKVConfig(budget=64, window=8, query_aware=False, store_bits=16)):
     session = Session(tiny_loaded, settings, store=CacheStore(tmp_path / "store"))
     prepared = session.prepare(DOCUMENT)
     return session, prepared
@@ -54,8 +55,10 @@ def test_round_trip_and_identical_answers(tiny_loaded, tmp_path):
 
 def test_file_size_is_close_to_the_tensors(tiny_loaded, tmp_path):
     _, prepared = saved(tiny_loaded, tmp_path)
-    tensors_bytes = prepared.cache.kv_bytes + sum(p.numel() * 4 for p in prepared.cache.positions) \
-        + prepared.cache.original_length * 4
+    cache = prepared.cache
+    masks = sum(p.shape[0] * ((cache.original_length + 7) // 8) for p in cache.positions)
+    tensors_bytes = cache.stored_kv_bytes + masks + cache.original_length * 4
+    assert cache.stored_kv_bytes == cache.kv_bytes // 2  # fp32 compute, 16-bit file
     assert tensors_bytes <= prepared.file_bytes <= tensors_bytes * 1.05 + 8192
 
 
@@ -87,7 +90,8 @@ def test_second_prepare_is_a_hit_without_prefill(tiny_loaded, tmp_path):
 
 
 def test_query_aware_saves_the_stored_tier(tiny_loaded, tmp_path):
-    session, prepared = saved(tiny_loaded, tmp_path, SnapKVConfig(budget=32, window=8, store_budget=96))
+    session, prepared = saved(tiny_loaded, tmp_path, SnapKVConfig(budget=32, window=8, store_keep=None,
+                                                                  store_budget=96, store_method="snapkv"))
     assert prepared.cache.kept_tokens == 96
     metadata = read_metadata(prepared.path)
     assert metadata["tier"]["cut"]["budget"] == 96 and metadata["per_question"]["budget"] == 32
@@ -163,9 +167,10 @@ def test_newer_format_is_refused(tiny_loaded, tmp_path):
 
     _, prepared = saved(tiny_loaded, tmp_path)
     metadata = read_metadata(prepared.path)
-    metadata["version"] = "2.0"
+    metadata["version"] = "3.1"
     save_file(load_file(str(prepared.path)), str(tmp_path / "new.snapkv"), metadata={"snapkv": json.dumps(metadata)})
-    with pytest.raises(CacheFileError, match="newer snapkv"):
+    with pytest.raises(CacheFileError, match=r"newer snapkv \(cache format 3.1; this snapkv reads formats 1.x and "
+                                             r"2.x\). Upgrade snapkv"):
         load_cache(tmp_path / "new.snapkv")
 
 
@@ -175,11 +180,14 @@ def _save_forever(path, cache):
 
 
 def big_cache(tiny_loaded):
+    """About 12 MB as stored, so that a write takes long enough to be killed in the middle. Rounded to its
+    stored precision here, in the parent: forked writers must not start torch's thread pool."""
     cache = prefill(tiny_loaded.model, torch.arange(3, 600) % 250 + 3, None)
-    # about 24 MB, so that a write takes long enough to be killed in the middle
-    cache.keys = [k.repeat(1, 1, 32) for k in cache.keys]
-    cache.values = [v.repeat(1, 1, 32) for v in cache.values]
-    return cache
+    repeated = [k.repeat(1, 1, 32) for k in cache.keys]
+    cache = replace(cache, keys=repeated, values=[v.repeat(1, 1, 32) for v in cache.values],
+                    positions=[torch.arange(k.shape[1]).expand(k.shape[0], -1) for k in repeated],
+                    original_length=repeated[0].shape[1], token_ids=torch.arange(repeated[0].shape[1]) % 250)
+    return cache.at_precision(16)
 
 
 @pytest.mark.slow

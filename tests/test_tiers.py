@@ -1,0 +1,233 @@
+"""Stored tiers: quantized keys and values, positions chosen after the prefill by probes, the files they make."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import VOCAB, build_tiny
+from snapkv.architectures import attention_layers
+from snapkv.cachefile import load_cache, read_metadata, save_cache
+from snapkv.config import Cut, SnapKVConfig, Tier
+from snapkv.documents import Document
+from snapkv.errors import CacheFileError
+from snapkv.generation import answer, prefill
+from snapkv.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
+from snapkv.prompting import Prompter
+from snapkv.quantize import CHANNELS, TOKENS, Scheme, dequantize, quantize
+from snapkv.session import Session
+from snapkv.store import CacheStore
+from snapkv.tiers import build_tier, derive_tier, keep_best, probe_scores
+
+DOCUMENT = Document(" ".join(f"Entry {i}: the ferry left pier {i * 7 % 13} at {i % 12 + 1} o'clock." for i in range(30)))
+
+
+def random_ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ quantization
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis, group", [(TOKENS, 32), (CHANNELS, 16), (TOKENS, 128)])
+def test_quantization_error_is_within_half_a_step(bits, axis, group):
+    torch.manual_seed(bits)
+    x = torch.randn(3, 77, 16) * torch.linspace(0.1, 8, 16)  # channels of very different ranges
+    q = quantize(x, Scheme(bits, axis, group))
+    restored = dequantize(q)
+    assert restored.shape == x.shape and q.packed.dtype == torch.uint8
+    codes_shape, scale_shape = q.scheme.stored_shapes(x.shape)
+    assert tuple(q.packed.shape) == codes_shape and tuple(q.scale.shape) == scale_shape
+    # every value within half a quantization step of its group (plus fp16 rounding of scale and minimum)
+    step = q.scale.float().max()
+    assert (restored - x).abs().max() <= step / 2 + 1e-2 * x.abs().max()
+    # the codes (the last group padded to full size), plus two fp16 numbers per group
+    groups = x.numel() // x.shape[axis] * -(-x.shape[axis] // group)
+    assert q.nbytes == groups * (group * bits // 8 + 4)
+
+
+def test_quantization_packs_every_code_exactly():
+    levels = torch.arange(16, dtype=torch.float32).repeat(2, 4, 1)  # (2, 4, 16): each group holds 0..15
+    q = quantize(levels, Scheme(4, CHANNELS, 16))
+    assert torch.equal(q.scale.float(), torch.ones(2, 4, 1)) and torch.equal(dequantize(q), levels)
+    assert q.packed[0, 0, 0].tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]  # low nibble first
+
+
+# ------------------------------------------------------------------------------------------ probes
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "phi3", "gemma3"])
+def test_reconstruction_probe_scores_match_a_plain_reference(name):
+    """The score of a cached key is the most attention any probe query of its group pays it, the softmax
+    running over the sinks, the scored keys and the probe's own keys: written out plainly from eager weights."""
+    model = build_tiny(name, attn_implementation="eager")
+    prompt, probe_ids = random_ids(40, 1), random_ids(6, 2)
+    whole = prefill(model, prompt, None)
+    probe = Probe(probe_ids, scored=range(10, 30), sinks=range(0, 4))
+    scores = probe_scores(model, whole, Reconstruction(), [probe])
+    subset = list(probe.sinks) + list(probe.scored) + list(range(40, 46))
+    with torch.no_grad():
+        out = model(torch.cat([prompt, probe_ids]).unsqueeze(0), output_attentions=True)
+    for layer in attention_layers(model):
+        if not layer.compressible:
+            assert torch.isneginf(scores[layer.index]).all()
+            continue
+        # logits of the probe's queries over the chosen keys, recovered from eager softmax weights: the
+        # weights over a subset renormalise to the softmax over that subset
+        weights = out.attentions[layer.index][0, :, 40:, :]  # (q_heads, 6, 46)
+        picked = weights[:, :, subset]
+        picked = picked / picked.sum(dim=-1, keepdim=True)
+        kv_heads = model.config.num_key_value_heads
+        grouped = picked.view(kv_heads, -1, 6, len(subset))
+        expected = grouped.amax(dim=(1, 2))[:, len(probe.sinks):len(probe.sinks) + len(probe.scored)]
+        assert torch.allclose(scores[layer.index][:, 10:30], expected, atol=1e-5), layer.index
+        assert torch.isneginf(scores[layer.index][:, :10]).all()
+
+
+def test_probes_leave_the_whole_cache_untouched(tiny_loaded):
+    session = Session(tiny_loaded, None)
+    whole = session.prepare(DOCUMENT).cache
+    before = [t.clone() for t in whole.keys + whole.values]
+    probes = Reconstruction(chunk=64).probes(tiny_loaded.prompter, whole.token_ids, whole.document)
+    assert len(probes) == -(-len(whole.document) // 64) and probes[0].scored.start == whole.document.start
+    probe_scores(tiny_loaded.model, whole, Reconstruction(chunk=64), probes)
+    assert all(torch.equal(a, b) for a, b in zip(before, whole.keys + whole.values))
+
+
+@pytest.mark.parametrize("method", [Reconstruction(chunk=48), PseudoQuestion(), KeyNorm()], ids=lambda m: m.name)
+def test_a_stored_tier_keeps_its_budget_the_template_and_the_best(tiny_loaded, method):
+    prompter = tiny_loaded.prompter
+    session = Session(tiny_loaded, None)
+    whole = session.prepare(DOCUMENT).cache
+    cut = Cut(None, 8, method, keep=0.25).sized_for(whole.original_length, whole.document)
+    around = whole.original_length - len(whole.document)
+    assert cut.budget == around + round(0.25 * len(whole.document))
+    scores = probe_scores(tiny_loaded.model, whole, method,
+                          method.probes(prompter, whole.token_ids, whole.document))
+    tiered = keep_best(whole, scores, cut, [range(0, whole.document.start),
+                                             range(whole.document.stop, whole.original_length)])
+    for index, positions in enumerate(tiered.positions):
+        assert positions.shape[1] == cut.budget
+        for head in range(positions.shape[0]):
+            kept = positions[head]
+            assert torch.all(kept[1:] > kept[:-1])
+            assert set(range(whole.document.start)) <= set(kept.tolist())  # the template's head
+            assert set(range(whole.document.stop, whole.original_length)) <= set(kept.tolist())
+            document_kept = [p for p in kept.tolist() if p in whole.document]
+            dropped = [p for p in whole.document if p not in document_kept]
+            assert scores[index][head][document_kept].min() >= scores[index][head][dropped].max()
+        expected = whole.keys[index].gather(1, positions.unsqueeze(-1).expand(-1, -1, whole.keys[index].shape[-1]))
+        assert torch.equal(tiered.keys[index], expected)
+    if isinstance(method, KeyNorm):  # of the document, the smallest keys are kept
+        norms = whole.keys[0][0].float().norm(dim=-1)
+        kept = [p for p in tiered.positions[0][0].tolist() if p in whole.document]
+        dropped = [p for p in whole.document if p not in kept]
+        assert norms[kept].max() <= norms[dropped].min()
+
+
+def test_derived_tier_equals_a_built_one(tiny_loaded):
+    """Cutting a whole cache already at hand gives what a prefill with that tier gives."""
+    settings = SnapKVConfig(budget=32, window=8, store_keep=0.5, store_method="reconstruction", store_bits=4)
+    built = Session(tiny_loaded, settings).prepare(DOCUMENT)
+    whole = Session(tiny_loaded, None).prepare(DOCUMENT)
+    memo: dict = {}
+    derived = Session(tiny_loaded, settings).derive(whole, scores_memo=memo)
+    assert set(memo) == {settings.store_scorer} and isinstance(settings.store_scorer, Reconstruction)
+    for a, b in zip(built.cache.keys + built.cache.positions, derived.cache.keys + derived.cache.positions):
+        assert torch.equal(a, b)
+    assert derived.cache.tier == built.cache.tier and derived.per_question == built.per_question
+
+
+# ------------------------------------------------------------------------------------------ files
+
+@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tmp_path, bits):
+    settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_method="reconstruction", store_bits=bits)
+    session = Session(tiny_loaded, settings, store=CacheStore(tmp_path))
+    built = session.prepare(DOCUMENT)
+    assert built.cache.tier.bits == bits and built.cache.payload is not None
+    reloaded = session.prepare(DOCUMENT)
+    assert reloaded.hit
+    for a, b in zip(built.cache.keys + built.cache.values + built.cache.positions,
+                    reloaded.cache.keys + reloaded.cache.values + reloaded.cache.positions):
+        assert torch.equal(a, b)
+    question = torch.tensor([11, 12, 13, 14])
+    cut = built.per_question
+    assert list(answer(tiny_loaded.model, built.cache, question, per_question=cut, max_new_tokens=8)) == \
+        list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
+    metadata = read_metadata(built.path)
+    assert metadata["version"] == "2.0" and metadata["tier"]["bits"] == bits
+    assert metadata["tier"]["cut"]["method"] == "reconstruction" and metadata["tier"]["cut"]["keep"] == 0.5
+    assert metadata["storage"]["bits"] == bits and metadata["document_span"] == [built.cache.document.start,
+                                                                                   built.cache.document.stop]
+
+
+def test_fewer_bits_make_smaller_files(tiny_loaded, tmp_path):
+    sizes = {}
+    for bits in (16, 8, 4, 2):
+        session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, store_keep=None, store_bits=bits),
+                          store=CacheStore(tmp_path))
+        sizes[bits] = session.prepare(DOCUMENT).file_bytes
+    # the KV shrinks with the bits; ids, masks, scales and the header stay
+    assert sizes[16] > 1.6 * sizes[8] and sizes[8] > 1.4 * sizes[4] > 1.4 * 1.2 * sizes[2]
+
+
+def test_an_fp32_run_writes_16_bits(tiny_loaded, tmp_path):
+    assert tiny_loaded.dtype == torch.float32
+    session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, store_bits=16), store=CacheStore(tmp_path))
+    prepared = session.prepare(DOCUMENT)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(prepared.path))
+    assert {t.dtype for name, t in stored.items() if name.endswith(("keys", "values"))} == {torch.float16}
+    assert prepared.cache.keys[0].dtype == torch.float32  # computed in fp32, rounded as stored
+
+
+def test_format_1_files_are_still_read(tiny_loaded, tmp_path):
+    """A file written by snapkv 0.1 (format 1.0: int32 positions, plain tensors) loads and answers."""
+    from safetensors.torch import save_file
+
+    from snapkv.cachefile import payload_digest
+
+    cache = prefill(tiny_loaded.model, random_ids(60, 3), Cut(24, 8))
+    tensors = {"token_ids": cache.token_ids.to(torch.int32)}
+    for index, (keys, values, positions) in enumerate(zip(cache.keys, cache.values, cache.positions)):
+        tensors.update({f"layers.{index}.keys": keys, f"layers.{index}.values": values,
+                        f"layers.{index}.positions": positions.to(torch.int32)})
+    metadata = {"format": "snapkv-cache", "version": "1.0", "model": tiny_loaded.identity, "mode": "document-window",
+                "stored": {"budget": 24, "window": 8, "kernel": 15, "pooling": "max"},
+                "settings": {"budget": 24, "window": 8, "kernel": 15, "pooling": "max", "query_aware": False},
+                "original_length": 60, "num_layers": cache.num_layers, "dtype": "float32", "sources": [],
+                "payload_sha256": payload_digest(tensors)}
+    path = tmp_path / "old.snapkv"
+    save_file(tensors, str(path), metadata={"snapkv": json.dumps(metadata)})
+    loaded = Session(tiny_loaded, None).load_file(path)
+    assert loaded.tier.cut == Cut(24, 8, SnapKV()) and loaded.mode == "document-window"
+    assert all(torch.equal(a, b) for a, b in zip(loaded.cache.keys + loaded.cache.positions,
+                                                 cache.keys + cache.positions))
+    # saved again, it is written in the current format, at 16 bits
+    save_cache(tmp_path / "new.snapkv", loaded.cache)
+    assert read_metadata(tmp_path / "new.snapkv")["version"] == "2.0"
+
+
+def test_damaged_quantized_parts_are_refused(tiny_loaded, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from snapkv.cachefile import payload_digest
+
+    settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_bits=4)
+    path = Session(tiny_loaded, settings, store=CacheStore(tmp_path)).prepare(DOCUMENT).path
+    metadata = read_metadata(path)
+    cases = {
+        "codes cut short": lambda t: t.__setitem__("layers.1.keys.codes", t["layers.1.keys.codes"][:, :, :1].clone()),
+        "scale is NaN": lambda t: t["layers.0.values.scale"].fill_(float("nan")),
+        "heads keep different counts": lambda t: t["layers.2.kept"][0].fill_(255),
+    }
+    messages = {"codes cut short": "do not fit", "scale is NaN": "NaN", "heads keep different counts": "different"}
+    for case, damage in cases.items():
+        tensors = load_file(str(path))
+        damage(tensors)
+        bad = tmp_path / "bad.snapkv"
+        save_file(tensors, str(bad), metadata={"snapkv": json.dumps({**metadata,
+                                                                     "payload_sha256": payload_digest(tensors)})})
+        with pytest.raises(CacheFileError, match=messages[case]):
+            load_cache(bad)
