@@ -4,6 +4,7 @@ Measurements only: dataclasses in, dataclasses out, nothing printed. Every prefi
 through Session, as the CLI's do, with its measuring option on.
 """
 
+import math
 import statistics
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -11,7 +12,10 @@ from pathlib import Path
 
 from .config import DEFAULTS, SnapKVConfig
 from .documents import Document
-from .errors import ConfigError
+from .errors import ConfigError, OutOfMemoryError
+from .architectures import text_config
+from .memory import check_prefill_fits
+from .floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
 from .haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
 from .models import LoadedModel
 from .session import AnswerResult, PreparedDocument, Session
@@ -34,6 +38,17 @@ class BenchRow:
     answer_peak_memory_bytes: int = 0  # the same for the question pass and decoding
     stored_bytes: int = 0       # the stored tier's keys and values as a file holds them
     tier_seconds: float = 0.0   # of prefill_seconds, choosing the stored tier after the prefill
+    bytes_per_token: int = 0    # read per decoded token: the weights (snapkv.floor) and the KV decoded against
+    floor_ms_per_token: float = 0.0  # bytes_per_token at the read bandwidth measured in the same run
+    prefill_chunk: int | None = None  # the SnapKV row was prefilled in chunks of this many tokens
+    exact_estimate_seconds: float = 0.0  # the estimate of an exact prefill at this length (snapkv.bench.PrefillRate)
+    estimated: bool = False     # not run: the exact prefill would take too long or not fit; prefill_seconds is
+                                # its estimate, the other measurements 0
+
+    @property
+    def above_floor(self) -> float:
+        """Decode time per token over its memory-bandwidth floor."""
+        return self.decode_ms_per_token / self.floor_ms_per_token if self.floor_ms_per_token else 0.0
 
 
 @dataclass
@@ -42,8 +57,9 @@ class FollowUp:
     budget: int
     reprefill_seconds: float
     load_seconds: float
-    ttft_seconds: float
+    ttft_seconds: float          # the question's pass over the cache, and the first token
     file_bytes: int
+    load_split: dict = field(default_factory=dict)  # of load_seconds: read, digest, restore
 
     @property
     def speedup(self) -> float:
@@ -57,6 +73,9 @@ class BenchResult:
     dtype: str
     rows: list[BenchRow] = field(default_factory=list)
     followup: FollowUp | None = None
+    read_bandwidth: float = 0.0  # bytes per second, measured in the run (snapkv.floor.read_bandwidth)
+    weight_bytes: int = 0        # read per decoded token
+    growth: dict = field(default_factory=dict)  # method -> {"prefill_seconds": exponent, ...}: fitted n^k
     notes: list[str] = field(default_factory=list)
 
 
@@ -68,8 +87,10 @@ def _answer(session: Session, prepared: PreparedDocument, max_new_tokens: int) -
     return stream.result
 
 
-def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResult], meaningful: bool) -> BenchRow:
+def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResult], meaningful: bool,
+         result: "BenchResult") -> BenchRow:
     settings = session.settings
+    read_bytes = result.weight_bytes + answers[0].kv_bytes
     return BenchRow(
         length=prepared.tokens, method="full" if settings is None else "snapkv",
         budget=None if settings is None else settings.budget,
@@ -81,18 +102,24 @@ def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResul
         answer_peak_memory_bytes=max(a.peak_bytes for a in answers),
         needle_found=(NEEDLE_NUMBER in answers[-1].text) if meaningful else None,
         stored_bytes=prepared.cache.stored_kv_bytes, tier_seconds=prepared.tier_seconds,
+        bytes_per_token=read_bytes,
+        floor_ms_per_token=floor_ms_per_token(result.weight_bytes, answers[0].kv_bytes, result.read_bandwidth),
+        prefill_chunk=(settings.prefill_chunk if settings is not None and settings.prefill_chunk
+                       and prepared.tokens > settings.prefill_chunk else None),
     )
 
 
 def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, settings: SnapKVConfig = DEFAULTS,
               decode_tokens: int = 32, repeats: int = 3, allow_extrapolation: bool = False,
               random_weights: bool = False, followup: bool = True, filler: str | None = None,
-              on_row=None) -> BenchResult:
+              on_row=None, max_prefill_seconds: float = 600.0, prefill_chunk: int = 4096) -> BenchResult:
     """For each length: the full cache and SnapKV (`settings` at each budget), in this one process.
 
     Each method is prefilled once; then the answers (first token and decode) are timed `repeats` times,
     taking the methods in turn each round, and the medians reported, so that a slow spell on a shared
-    machine does not land on one method only. A short warm-up prefill comes first.
+    machine does not land on one method only. A short warm-up prefill comes first, and times the machine's
+    prefill rate: a length whose exact prefill is estimated past `max_prefill_seconds`, or does not fit in
+    memory, gets SnapKV prefilled in chunks of `prefill_chunk` tokens and the full cache's estimate instead.
     """
     context = loaded.context_length
     too_long = [n for n in lengths if context and n > context]
@@ -105,32 +132,118 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, not {repeats}")
     filler = filler or filler_text()
-    result = BenchResult(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""))
+    result = BenchResult(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""),
+                         read_bandwidth=read_bandwidth(loaded.device), weight_bytes=weight_bytes_per_token(loaded.model))
     if random_weights:
         result.notes.append("random weights: the answers, and so needle_found, are meaningless")
     if too_long:
         result.notes.append(f"lengths past the model's {context} tokens: needle_found is not meaningful there")
+    chunked = replace(settings, prefill_chunk=prefill_chunk)
     sessions = [Session(loaded, None, allow_extrapolation=True)] + [
         Session(loaded, replace(settings, budget=budget), allow_extrapolation=True) for budget in budgets]
+    chunked_sessions = [Session(loaded, replace(chunked, budget=budget), allow_extrapolation=True)
+                        for budget in budgets]
     warm_up = Document(build_haystack(loaded.tokenizer, filler, 256, 0.5, NEEDLE_NUMBER).text)
     sessions[0].prepare(sessions[0].prompt(warm_up, max_tokens=min(256, min(lengths))))
+    calibration = Document(build_haystack(loaded.tokenizer, filler, 1024, 0.5, NEEDLE_NUMBER).text)
+    rate = PrefillRate.measure(loaded, sessions[0], sessions[0].prompt(calibration, max_tokens=min(1024, min(lengths))))
     for length in lengths:
         document = Document(build_haystack(loaded.tokenizer, filler, length, 0.5, NEEDLE_NUMBER).text)
         meaningful = not random_weights and not (context and length > context)
-        prepared = [session.prepare(session.prompt(document, max_tokens=length), measure=True)
-                    for session in sessions]
-        answers: list[list[AnswerResult]] = [[] for _ in sessions]
+        exact_fits = rate.exact_seconds(length) <= max_prefill_seconds and _fits(loaded, length)
+        active = sessions if exact_fits else [None] + chunked_sessions
+        if not exact_fits:
+            result.notes.append(
+                f"{length} tokens: the exact prefill would take about {rate.exact_seconds(length):.0f} s "
+                f"(over --max-prefill-seconds {max_prefill_seconds:g}) or not fit in memory; SnapKV is "
+                f"prefilled in chunks of {prefill_chunk} tokens and the full cache's row is that estimate")
+        prepared = [session.prepare(session.prompt(document, max_tokens=length), measure=True) if session else None
+                    for session in active]
+        answers: list[list[AnswerResult]] = [[] for _ in active]
         for _ in range(repeats):
-            for index, session in enumerate(sessions):
-                answers[index].append(_answer(session, prepared[index], decode_tokens))
-        for session, prepared_one, answered in zip(sessions, prepared, answers):
-            row = _row(session, prepared_one, answered, meaningful)
+            for index, session in enumerate(active):
+                if session is not None:
+                    answers[index].append(_answer(session, prepared[index], decode_tokens))
+        for session, prepared_one, answered in zip(active, prepared, answers):
+            row = (_row(session, prepared_one, answered, meaningful, result) if session is not None
+                   else BenchRow(length, "full", None, False, rate.exact_seconds(length), 0.0, 0.0, 0, 0, None,
+                                 estimated=True))
+            row.exact_estimate_seconds = rate.exact_seconds(length)
             result.rows.append(row)
             if on_row:
                 on_row(row)
-        if followup and budgets and length == lengths[-1]:
+        if followup and budgets and length == lengths[-1] and exact_fits:
             result.followup = _followup(sessions[1], prepared[1], prepared[0].prefill_seconds)
+    result.growth = fit_growth(result.rows)
     return result
+
+
+def _fits(loaded: LoadedModel, length: int) -> bool:
+    try:
+        check_prefill_fits(loaded.model, length, loaded.device, loaded.dtype, None)
+    except OutOfMemoryError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class PrefillRate:
+    """What an exact prefill of n tokens would take: its floating-point work (2 x parameters per token, and
+    attention's 2 x layers x hidden per pair of positions, causal) at the rate a short prefill ran."""
+
+    flops_per_second: float
+    parameters: int
+    layers: int
+    hidden: int
+
+    def flops(self, tokens: int) -> float:
+        return 2 * self.parameters * tokens + 2 * self.layers * self.hidden * tokens * tokens
+
+    def exact_seconds(self, tokens: int) -> float:
+        return self.flops(tokens) / self.flops_per_second
+
+    @classmethod
+    def measure(cls, loaded: LoadedModel, session: Session, prompt) -> "PrefillRate":
+        """Timed on `prompt` (a short exact prefill): its prefill seconds alone, not the memory hand-back."""
+        config = text_config(loaded.model)
+        embeddings = {loaded.model.get_input_embeddings().weight.data_ptr()}
+        head = loaded.model.get_output_embeddings()
+        if head is not None:
+            embeddings.add(head.weight.data_ptr())
+        # the embedding table is looked up, and the head runs on the last position only
+        parameters = sum(p.numel() for p in loaded.model.parameters() if p.data_ptr() not in embeddings)
+        seconds = max(session.prepare(prompt, measure=True).prefill_seconds, 1e-6)
+        rate = cls(1.0, parameters, config.num_hidden_layers, config.hidden_size)
+        return replace(rate, flops_per_second=rate.flops(prompt.tokens) / seconds)
+
+
+def series_name(row: BenchRow) -> str:
+    """"full", "snapkv 1024" or "snapkv 1024 in chunks of 4096": rows of one method measured across lengths."""
+    name = row.method if row.budget is None else f"{row.method} {row.budget}"
+    return name + (f" in chunks of {row.prefill_chunk}" if row.prefill_chunk else "")
+
+
+def fit_growth(rows: list[BenchRow]) -> dict:
+    """Per method (and budget), the exponent k of a least-squares fit of value = c x length^k in log-log, for
+    prefill time, decode time and peak memory, over the rows measured (estimates left out)."""
+    growth = {}
+    series = {}
+    for row in rows:
+        if not row.estimated:
+            series.setdefault(series_name(row), []).append(row)
+    for name, measured in series.items():
+        if len({row.length for row in measured}) < 2:
+            continue
+        fitted = {}
+        for key in ("prefill_seconds", "decode_ms_per_token", "peak_memory_bytes"):
+            points = [(math.log(row.length), math.log(getattr(row, key))) for row in measured if getattr(row, key) > 0]
+            if len(points) >= 2:
+                mean_x = sum(x for x, _ in points) / len(points)
+                mean_y = sum(y for _, y in points) / len(points)
+                spread = sum((x - mean_x) ** 2 for x, _ in points)
+                fitted[key] = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+        growth[name] = fitted
+    return growth
 
 
 def _followup(session: Session, prepared: PreparedDocument, reprefill_seconds: float) -> FollowUp:
@@ -141,4 +254,4 @@ def _followup(session: Session, prepared: PreparedDocument, reprefill_seconds: f
         reloaded = session.load_file(path, check_sources=False)
         first = _answer(session, reloaded, max_new_tokens=1)
     return FollowUp(prepared.tokens, session.settings.budget, reprefill_seconds, reloaded.load_seconds,
-                    first.ttft_seconds, prepared.file_bytes)
+                    first.ttft_seconds, prepared.file_bytes, reloaded.load_split)

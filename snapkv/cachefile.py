@@ -347,7 +347,8 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
 
 def load_cache(path: Path, *, identity: dict | None = None,
                device: torch.device | str | list[torch.device] = "cpu",
-               dtype: torch.dtype | None = None, verify: bool = True) -> tuple[CompressedCache, dict]:
+               dtype: torch.dtype | None = None, verify: bool = True,
+               split: dict | None = None) -> tuple[CompressedCache, dict]:
     """Read and validate a saved cache; refuse (CacheFileError / IncompatibleCacheError) what does not fit.
 
     identity: the model in use (LoadedModel.identity); None skips the model checks (for `info`).
@@ -355,9 +356,12 @@ def load_cache(path: Path, *, identity: dict | None = None,
               from any layout loads into any other.
     dtype:    the compute dtype to restore keys and values in (None: as stored; float32 for fewer bits).
     verify:   check the payload digest (reads every byte; skip only for very large trusted files).
+    split:    a dict that receives where the time went: read_seconds (header and tensors from disk),
+              digest_seconds, restore_seconds (checks, dequantizing, placing on the devices).
     """
     from safetensors.torch import load_file
 
+    clock = time.perf_counter()
     path = Path(path)
     metadata = read_metadata(path)
     if identity is not None:
@@ -367,8 +371,10 @@ def load_cache(path: Path, *, identity: dict | None = None,
         tensors = load_file(str(path))
     except Exception as error:  # safetensors raises its own error type for every structural fault
         raise CacheFileError(f"{path}: damaged cache file ({error})") from error
+    read_at = time.perf_counter()
     if verify and payload_digest(tensors) != metadata.get("payload_sha256"):
         raise CacheFileError(f"{path}: damaged cache (its contents do not match their digest); delete it and rebuild")
+    digest_at = time.perf_counter()
     length, layers = _check_counts(path, metadata, identity)
     if "token_ids" not in tensors or tensors["token_ids"].shape != (length,):
         raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
@@ -395,4 +401,7 @@ def load_cache(path: Path, *, identity: dict | None = None,
         document_span=range(*span) if span is not None else None,
         payload=None if found[0][3] is None else [stored for *_, stored in found],
     )
+    if split is not None:
+        split.update(read_seconds=read_at - clock, digest_seconds=digest_at - read_at,
+                     restore_seconds=time.perf_counter() - digest_at)
     return cache, metadata

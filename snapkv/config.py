@@ -28,12 +28,15 @@ class Cut:
 
     keep: a stored tier may be asked for as a fraction of the document's positions instead; `sized_for`
     turns it into a budget for one prompt (the positions around the document are always kept too).
+    chunk: a cut made during the prefill, chunk by chunk of this many tokens, cutting back to the budget
+    after each (snapkv.generation.chunked_prefill): bounded memory and linear attention cost.
     """
 
     budget: int | None
     window: int
     method: Method = SnapKV()
     keep: float | None = None
+    chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -42,6 +45,10 @@ class Cut:
             raise ConfigError(f"the kept fraction must be above 0 and at most 1, got {self.keep}")
         if self.budget is None and self.keep is None:
             raise ConfigError("a cut needs a budget or a kept fraction")
+        if self.chunk is not None and (self.chunk <= self.window or not self.method.scores_during_prefill
+                                       or self.budget is None):
+            raise ConfigError(f"a prefill in chunks needs chunks longer than the window ({self.window}), got "
+                              f"{self.chunk}, and a budget cut by a method that scores during the prefill (snapkv)")
         if self.budget is not None and self.budget <= self.window:
             raise ConfigError(
                 f"budget ({self.budget}) must be larger than the observation window ({self.window}): "
@@ -63,19 +70,21 @@ class Cut:
 
     def to_dict(self) -> dict:
         kept = {"keep": self.keep} if self.keep is not None else {}
-        return {"budget": self.budget, "window": self.window, **kept, **method_to_dict(self.method)}
+        chunked = {"chunk": self.chunk} if self.chunk is not None else {}
+        return {"budget": self.budget, "window": self.window, **kept, **chunked, **method_to_dict(self.method)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Cut":
         data = dict(data)
         try:
             budget, window = data.pop("budget"), int(data.pop("window"))
-            keep = data.pop("keep", None)
+            keep, chunk = data.pop("keep", None), data.pop("chunk", None)
             budget = None if budget is None else int(budget)
             keep = None if keep is None else float(keep)
+            chunk = None if chunk is None else int(chunk)
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"a cut needs a whole budget or a fraction, and a window, got {data!r}") from error
-        return cls(budget, window, method_from_dict(data), keep)
+        return cls(budget, window, method_from_dict(data), keep, chunk)
 
     def describe(self) -> str:
         method = self.method
@@ -83,7 +92,8 @@ class Cut:
         size = f"{self.keep:.0%} of the document" if self.keep is not None else ""
         if self.budget is not None:
             size += f"{' = ' if size else ''}budget {self.budget}"
-        return f"{method.name} {size} (window {self.window}{', ' + extras if extras else ''})"
+        chunked = f"; prefilled in chunks of {self.chunk}" if self.chunk is not None else ""
+        return f"{method.name} {size} (window {self.window}{', ' + extras if extras else ''}{chunked})"
 
 
 @dataclass(frozen=True)
@@ -139,6 +149,9 @@ def mode_of(stored: Cut | None, per_question: Cut | None) -> Mode:
     return "document-window" if stored.method.scores_during_prefill else "tier-only"
 
 
+CHUNKED_STORE_FACTOR = 4  # query-aware with a chunked prefill: the stored tier, in budgets, when not given
+
+
 @dataclass(frozen=True)
 class SnapKVConfig:
     """How a prompt's KV cache is compressed.
@@ -159,6 +172,11 @@ class SnapKVConfig:
     store_bits:   bits per stored key and value: 16, 8, 4 or 2 (any mode).
     store_kernel: pooling width over the stored tier's scores, for methods that pool (None: `kernel` for the
                   methods that score as SnapKV does, the method's own default for the others).
+    prefill_chunk: prefill prompts longer than this in chunks of this many tokens, cutting every layer back
+                  after each chunk with SnapKV (the chunk's tail as the window): memory bounded, attention cost
+                  linear. The stored tier is then made that way: `budget` positions (document-window), or
+                  `store_budget` (default 4 x budget) in query-aware mode, cut to `budget` per question;
+                  store_keep and store_method do not apply. None: the exact prefill.
     """
 
     budget: int = 1024
@@ -175,6 +193,7 @@ class SnapKVConfig:
     store_method: str | Method = PseudoQuestion.name
     store_bits: int = 4
     store_kernel: int | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
         self.cut  # validates budget, window and the method's own settings
@@ -218,6 +237,9 @@ class SnapKVConfig:
     @property
     def stored_tier(self) -> Cut | None:
         """The cut that chooses what is stored (at prefill, or after it): None keeps every position."""
+        if self.prefill_chunk is not None:
+            bound = self.budget if not self.query_aware else self.store_budget or CHUNKED_STORE_FACTOR * self.budget
+            return Cut(bound, self.window, self.scorer, chunk=self.prefill_chunk)
         if not self.query_aware:
             return self.cut
         if self.store_budget is None and (self.store_keep is None or self.store_keep >= 1):

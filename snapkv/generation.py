@@ -5,7 +5,7 @@ The engine knows token ids only; callers decode and print.
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -15,6 +15,10 @@ from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import Cut, Tier
+from .presized import presize
+
+if TYPE_CHECKING:
+    from .compiled import CompiledDecoder
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,52 @@ def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
     return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu(), tier, document)
 
 
+@torch.inference_mode()
+def chunked_prefill(model, context_ids: torch.Tensor, cut: Cut, chunk: int,
+                    on_chunk: Callable[[int, int], None] | None = None, tier: Tier | None = None,
+                    document: range | None = None) -> CompressedCache:
+    """The prompt through the model `chunk` tokens at a time, each layer cut back to `cut.budget` after every
+    chunk with the chunk's tail as the observation window: the cache never holds more than the budget plus
+    one chunk, and attention costs grow linearly with the prompt instead of quadratically.
+
+    Each chunk attends to what was kept of the chunks before it and to itself (causally); RoPE places every
+    position at its place in the prompt. The last chunk's cut is the exact prefill's (the prompt's tail as the
+    window); earlier cuts could not see the later text, which is the price (README, Long contexts).
+    on_chunk: progress, called with (tokens done, tokens in all).
+    """
+    if not cut.method.scores_during_prefill:
+        raise ValueError(f"{cut.method.name} does not score during the prefill")
+    if chunk <= cut.window:
+        raise ValueError(f"the prefill chunk ({chunk}) must be longer than the observation window ({cut.window})")
+    device = model_device(model)
+    n = context_ids.shape[0]
+    cache = DynamicCache(config=model.config)
+    positions: list[torch.Tensor] = []  # per layer (kv_heads, held): original positions of what it holds
+    starts = list(range(0, n, chunk))
+    if len(starts) > 1 and n - starts[-1] < cut.window:
+        starts.pop()  # a last piece shorter than the window joins the chunk before it: the final cut sees a full window
+    for number, start in enumerate(starts):
+        end = starts[number + 1] if number + 1 < len(starts) else n
+        piece = context_ids[start:end]  # (c,)
+        plan = CompressionPlan(cut, cut.window)
+        position_ids = torch.arange(start, start + piece.shape[0], device=device).unsqueeze(0)  # (1, c)
+        with compressing(model, plan), (chunked_feed_forward(model, DEFAULT_CHUNK_TOKENS)
+                                        if piece.shape[0] > DEFAULT_CHUNK_TOKENS else nullcontext()):
+            run_forward(model, piece.to(device).unsqueeze(0), cache, position_ids)
+        held = []
+        for index, layer in enumerate(cache.layers):
+            kv_heads, length = layer.keys.shape[1], layer.keys.shape[2]
+            fresh = torch.arange(start, start + piece.shape[0], device=layer.keys.device).expand(kv_heads, -1)
+            before = positions[index] if positions else fresh[:, :0]
+            source = torch.cat([before, fresh], dim=1)  # (kv_heads, held before + c)
+            held.append(_layer_positions(plan, index, length, source, kv_heads).contiguous())
+        positions = held
+        if on_chunk is not None:
+            on_chunk(end, n)
+    tier = tier if tier is not None else Tier(cut)
+    return CompressedCache.from_dynamic_cache(cache, positions, n, context_ids.cpu(), tier, document)
+
+
 def _pick_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
     """logits: (vocab,) -> the next token id."""
     if sampling.temperature <= 0:
@@ -132,6 +182,8 @@ def answer(
     max_new_tokens: int = 128,
     stop_ids: frozenset[int] = frozenset(),
     sampling: Sampling = Sampling(),
+    presized: bool = True,
+    decoder: "CompiledDecoder | None" = None,
 ) -> Iterator[int]:
     """Yield the answer's token ids, one at a time (stop tokens are not yielded).
 
@@ -142,6 +194,11 @@ def answer(
 
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
+    presized: after the question pass, each layer's cache is copied once into a buffer with room for the
+    answer and every token written in place (snapkv.presized); False appends by concatenation, as
+    transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
+    decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
+    (snapkv.compiled); the eager step otherwise, or if compiling fails.
     """
     device = model_device(model)
     working = cache.to_dynamic_cache(model.config)
@@ -157,6 +214,11 @@ def answer(
     positions = torch.arange(start, start + q, device=device).unsqueeze(0)
     with compressing(model, plan) if plan else nullcontext():
         logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
+    static = None
+    if decoder is not None and max_new_tokens > 1 and decoder.qualifies(working):
+        static = decoder.static_copy(working, max_new_tokens - 1)
+    elif presized and max_new_tokens > 1:
+        presize(working, max_new_tokens - 1)
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
         if token in stop_ids:
@@ -165,6 +227,14 @@ def answer(
         if step + 1 == max_new_tokens:
             return
         position = start + q + step
+        if static is not None:
+            compiled_logits = decoder.step(token, position, static)
+            if compiled_logits is not None:
+                logits = compiled_logits
+                working = None  # the static copy holds everything now: one cache in memory, not two
+                continue
+            static = None  # compiling failed before anything was written: go on eagerly
+            presize(working, max_new_tokens - 1 - step)
         logits = run_forward(
             model, torch.tensor([[token]], device=device), working, torch.tensor([[position]], device=device)
         )

@@ -62,15 +62,18 @@ def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: Cut | None,
     shape = _shape(config)
     item = torch.empty((), dtype=dtype).element_size()
     per_token_layer = 2 * shape["kv_heads"] * shape["head_dim"] * item  # K and V of one token in one layer
-    full_layer = tokens * per_token_layer
-    kept = tokens if tier is None else min(tokens, tier.budget)
+    # a prefill in chunks runs `step` tokens at a time over at most budget + step held positions
+    step = tokens if tier is None or tier.chunk is None else min(tokens, tier.chunk)
+    held = tokens if step == tokens else min(tokens, tier.budget + step)
+    full_layer = held * per_token_layer
+    kept = held if tier is None else min(held, tier.budget)
     kv = (shape["layers"] - 1) * kept * per_token_layer + full_layer
-    window = 0 if tier is None else min(tier.window, tokens)
+    window = 0 if tier is None else min(tier.window, step)
     activations = (
-        tokens * item * (4 * shape["hidden"]                 # residual, normed input, attention output, sum
-                         + 2 * shape["heads"] * shape["head_dim"])  # queries and the attention result
-        + min(tokens, chunk_tokens) * item * 3 * shape["intermediate"]  # gate, up, product: one MLP slice
-        + 4 * window * tokens * shape["heads"] * 2           # fp32 window scores and their pooled copy
+        step * item * (4 * shape["hidden"]                 # residual, normed input, attention output, sum
+                       + 2 * shape["heads"] * shape["head_dim"])  # queries and the attention result
+        + min(step, chunk_tokens) * item * 3 * shape["intermediate"]  # gate, up, product: one MLP slice
+        + 4 * window * held * shape["heads"] * 2           # fp32 window scores and their pooled copy
     )
     return PrefillEstimate(tokens, kv, full_layer, activations, SLACK.get(device_type, SLACK["cpu"]))
 

@@ -42,9 +42,13 @@ class Scheme:
         return (shape[0], other, groups, self.group * self.bits // 8), (shape[0], other, groups)
 
 
+GROUP = 32  # KIVI's group size; 128-token key groups (and a head's channels for values) lost needles at 4 bits
+
+
 def kivi_schemes(bits: int, head_dim: int) -> tuple[Scheme, Scheme]:
-    """(keys, values): keys per channel in groups of 128 tokens, values per token in groups of a head's channels."""
-    return Scheme(bits, TOKENS, 128), Scheme(bits, CHANNELS, head_dim)
+    """(keys, values): keys per channel in groups of 32 tokens, values per token in groups of 32 channels (or a
+    head's channels, if fewer)."""
+    return Scheme(bits, TOKENS, GROUP), Scheme(bits, CHANNELS, min(GROUP, head_dim))
 
 
 @dataclass

@@ -29,6 +29,7 @@ from .generation import Sampling, answer
 from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
 from .models import LoadedModel
 from .store import CacheStore, cache_key
+from .compiled import CompiledDecoder, decoder_for
 from .streaming import TextStream
 from .tiers import build_tier, derive_tier
 
@@ -70,6 +71,7 @@ class PreparedDocument:
     path: Path | None = None         # the saved cache file, if any
     hit: bool = False                # True when the cache was loaded instead of prefilled
     load_seconds: float = 0.0
+    load_split: dict = field(default_factory=dict)  # of load_seconds: read, digest, restore (cachefile.load_cache)
     save_seconds: float = 0.0
     file_bytes: int = 0
     notes: list[str] = field(default_factory=list)  # things the user should hear about (a rebuilt entry, staleness)
@@ -140,7 +142,8 @@ class AnswerStream:
     """Iterate to get the answer's text as it is generated; `result` is set when it ends."""
 
     def __init__(self, loaded: LoadedModel, prepared: PreparedDocument, question: str, ids: torch.Tensor,
-                 max_new_tokens: int, sampling: Sampling, stop_ids: frozenset[int], measure: bool) -> None:
+                 max_new_tokens: int, sampling: Sampling, stop_ids: frozenset[int], measure: bool,
+                 decoder: CompiledDecoder | None = None) -> None:
         self._loaded = loaded
         self._prepared = prepared
         self.question = question
@@ -149,6 +152,7 @@ class AnswerStream:
         self._sampling = sampling
         self._stop_ids = stop_ids
         self._measure = measure
+        self._decoder = decoder
         self.result: AnswerResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -165,7 +169,7 @@ class AnswerStream:
                 started = time.perf_counter()  # after PeakMemory has handed memory back, when measuring
                 for token in answer(loaded.model, prepared.cache, self._ids, per_question=prepared.per_question,
                                     max_new_tokens=self._max_new_tokens, stop_ids=self._stop_ids,
-                                    sampling=self._sampling):
+                                    sampling=self._sampling, decoder=self._decoder):
                     if first_token_at is None:
                         if self._measure:
                             _sync(loaded.device)
@@ -199,11 +203,13 @@ class Session:
               removed); None refuses it.
     allow_extrapolation: let prompts and answers run past the model's context (speed and memory
               measurements only: the answers are then not meaningful).
+    compile:  decode with a compiled step (snapkv.compiled) where the cache qualifies; the first answer over
+              a new cache size pays the compile.
     """
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
                  store: CacheStore | None = None, verify: bool = True, truncate: str | None = None,
-                 allow_extrapolation: bool = False) -> None:
+                 allow_extrapolation: bool = False, compile: bool = False) -> None:
         if truncate not in (None, *TRUNCATE_SIDES):
             raise ConfigError(f"--truncate takes start, middle or end, not {truncate!r}")
         self.loaded = loaded
@@ -212,6 +218,7 @@ class Session:
         self.verify = verify
         self.truncate = truncate
         self.context_limit = 0 if allow_extrapolation else loaded.context_length  # 0: no limit
+        self.decoder = decoder_for(loaded.model) if compile else None
 
     # ------------------------------------------------------------------------------------ documents in
 
@@ -351,15 +358,16 @@ class Session:
 
     def _load(self, path: Path, check_sources: bool) -> PreparedDocument:
         started = time.perf_counter()
+        split: dict = {}
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.layer_devices,
-                                     dtype=self.loaded.dtype, verify=self.verify)
+                                     dtype=self.loaded.dtype, verify=self.verify, split=split)
         sources = recorded_sources(path, metadata)
         stale = stale_sources(sources) if check_sources else []
         notes = [("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "
                   "build a new cache from the document.")] if stale else []
         return PreparedDocument(Document("", sources), cache, per_question_of(path, metadata), path=Path(path),
                                 hit=True, notes=notes, load_seconds=time.perf_counter() - started,
-                                file_bytes=Path(path).stat().st_size)
+                                load_split=split, file_bytes=Path(path).stat().st_size)
 
     # ------------------------------------------------------------------------------------ answers out
 
@@ -382,4 +390,5 @@ class Session:
                 )
             max_new_tokens = min(max_new_tokens, room)
         stop_ids = loaded.stop_ids if stop_at_end else frozenset()
-        return AnswerStream(loaded, prepared, question, ids, max_new_tokens, sampling, stop_ids, measure)
+        return AnswerStream(loaded, prepared, question, ids, max_new_tokens, sampling, stop_ids, measure,
+                            self.decoder)

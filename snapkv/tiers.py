@@ -21,7 +21,7 @@ from .architectures import attention_layers, window_queries
 from .cache import CompressedCache
 from .compress import cache_argument
 from .config import Cut, Tier
-from .generation import model_device, prefill, run_forward
+from .generation import chunked_prefill, model_device, prefill, run_forward
 from .methods import Method, Probe
 from .scoring import gather_positions
 
@@ -147,17 +147,22 @@ def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: 
 
 def build_tier(model, prompter, context_ids: torch.Tensor, document: range, cut: Cut | None, bits: int,
                tier: Tier, on_layer: Progress | None = None, on_step: Progress | None = None,
-               timings: dict | None = None) -> CompressedCache:
+               timings: dict | None = None, on_chunk: Progress | None = None) -> CompressedCache:
     """Prefill a prompt into the cache that is stored: cut during the prefill (snapkv's document window) or
     after it by probes, then rounded to its stored precision. `tier` carries the truncation.
 
     timings: filled with "prefill_seconds" and "tier_seconds" (the scoring, cut and rounding after it).
+    on_chunk: progress of a prefill in chunks (tokens done, in all); on_layer if not given.
     """
     cut = cut.sized_for(len(context_ids), document) if cut is not None else None
     during = cut if cut is not None and cut.method.scores_during_prefill else None
     started = time.perf_counter()
-    cache = prefill(model, context_ids, during, on_layer=on_layer, tier=replace(tier, cut=during, bits=16),
-                    document=document)
+    if during is not None and during.chunk is not None and len(context_ids) > during.chunk:
+        cache = chunked_prefill(model, context_ids, during, during.chunk, on_chunk=on_chunk or on_layer,
+                                tier=replace(tier, cut=during, bits=16), document=document)
+    else:
+        cache = prefill(model, context_ids, during, on_layer=on_layer, tier=replace(tier, cut=during, bits=16),
+                        document=document)
     prefilled = time.perf_counter()
     if during is None and cut is not None:
         # cut the whole cache as a 16-bit file of it would hold it, so that deriving this tier later from such

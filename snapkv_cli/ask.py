@@ -10,11 +10,11 @@ import typer
 from snapkv.config import DEFAULTS
 from snapkv.paths import CACHE_SUFFIX
 
-from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, MaxTokensOption,
-                      ModelOption,
-                      NoCompressOption, PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption,
-                      StoreBitsOption, StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption,
-                      WindowOption, explicit_settings, settings_from)
+from . import serve
+from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
+                      MaxTokensOption, ModelOption, NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption,
+                      QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
+                      StoreMethodOption, TruncateOption, WindowOption, explicit_settings, settings_from)
 
 
 def ask(
@@ -31,6 +31,8 @@ def ask(
     store_keep: StoreKeepOption = DEFAULTS.store_keep,
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    prefill_chunk: PrefillChunkOption = None,
+    compile: CompileOption = None,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_compress: NoCompressOption = False,
     no_store: bool = typer.Option(False, "--no-store",
@@ -69,7 +71,7 @@ def ask(
                          report, stats_table, stderr_console, stdout_console, stream_answer)
 
     settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
-                             store_method, store_bits)
+                             store_method, store_bits, prefill_chunk)
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     err, out = stderr_console(), stdout_console()
 
@@ -80,7 +82,7 @@ def ask(
     ingest_seconds = time.perf_counter() - started
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate)
+                      truncate=truncate, compile=compile if compile is not None else serve.IN_SERVER)
     if from_file:
         prepared = load_file_with_status(err, session, source, explicit_settings(ctx))
     else:

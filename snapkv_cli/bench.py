@@ -20,36 +20,46 @@ def _table(result):
 
     table = Table(title=f"{result.model} on {result.device}, {result.dtype}")
     kind = "CUDA peak" if result.device.startswith("cuda") else "RSS+"
-    for column in ("length", "method", "budget", "prefill s (tier)", "TTFT s", "decode ms/tok", "KV MiB",
-                   "stored MiB", f"prefill {kind} MiB", f"answer {kind} MiB", "needle"):
+    for column in ("length", "method", "budget", "prefill s (tier)", "TTFT s", "decode ms/tok", "floor ms (x)",
+                   "KV MiB", "stored MiB", f"prefill {kind} MiB", f"answer {kind} MiB", "needle"):
         table.add_column(column, justify="right")
     for row in result.rows:
+        if row.estimated:
+            table.add_row(str(row.length), row.method, "-", f"~{row.prefill_seconds:.0f} (estimate)",
+                          *["-"] * 8)
+            continue
         needle = "-" if row.needle_found is None else ("found" if row.needle_found else "missed")
-        method = row.method + ("-qa" if row.query_aware else "")
+        method = row.method + ("-qa" if row.query_aware else "") + (f" chunks {row.prefill_chunk}"
+                                                                     if row.prefill_chunk else "")
         tier = f" ({row.tier_seconds:.2f})" if row.tier_seconds >= 0.005 else ""
         table.add_row(str(row.length), method, str(row.budget or "-"), f"{row.prefill_seconds:.2f}{tier}",
-                      f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}", f"{row.kv_bytes / 2**20:.1f}",
+                      f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}",
+                      f"{row.floor_ms_per_token:.1f} ({row.above_floor:.1f}x)", f"{row.kv_bytes / 2**20:.1f}",
                       f"{row.stored_bytes / 2**20:.1f}", f"{row.peak_memory_bytes / 2**20:.0f}",
                       f"{row.answer_peak_memory_bytes / 2**20:.0f}", needle)
     return table
 
 
 def _plot(result, path: Path) -> None:
+    from snapkv.bench import series_name
+
     from .render import pyplot
 
     plt = pyplot()
-    figure, (decode, memory) = plt.subplots(1, 2, figsize=(11, 4))
-    series = sorted({(row.method, row.budget) for row in result.rows}, key=lambda s: (s[0], s[1] or 0))
-    for method, budget in series:
-        rows = [r for r in result.rows if (r.method, r.budget) == (method, budget)]
-        label = "full cache" if method == "full" else f"SnapKV {budget}"
-        decode.plot([r.length for r in rows], [r.decode_ms_per_token for r in rows], marker="o", label=label)
-        memory.plot([r.length for r in rows], [r.kv_bytes / 2**20 for r in rows], marker="o", label=label)
-    decode.set(xlabel="prompt tokens", ylabel="decode ms / token", title="Decode time")
-    memory.set(xlabel="prompt tokens", ylabel="KV cache MiB", title="KV memory while decoding")
-    for axes in (decode, memory):
+    figure, panels = plt.subplots(1, 4, figsize=(18, 4))
+    measured = [row for row in result.rows if not row.estimated]
+    columns = (("prefill_seconds", 1, "prefill s", "Prefill time"),
+               ("decode_ms_per_token", 1, "decode ms / token", "Decode time"),
+               ("kv_bytes", 2**20, "KV cache MiB", "KV memory while decoding"),
+               ("peak_memory_bytes", 2**20, "peak MiB", "Prefill peak memory"))
+    for label in sorted({series_name(row) for row in measured}):
+        rows = [r for r in measured if series_name(r) == label]
+        for axes, (key, unit, _, _) in zip(panels, columns):
+            axes.plot([r.length for r in rows], [getattr(r, key) / unit for r in rows], marker="o", label=label)
+    for axes, (_, _, ylabel, title) in zip(panels, columns):
+        axes.set(xlabel="prompt tokens", ylabel=ylabel, title=title, xscale="log", yscale="log")
         axes.grid(alpha=0.3)
-        axes.legend()
+        axes.legend(fontsize="small")
     figure.suptitle(f"{result.model} on {result.device} ({result.dtype})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -80,6 +90,11 @@ def bench(
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG of decode time and KV memory against length."),
+    max_prefill_seconds: float = typer.Option(
+        600.0, min=0.0, help="A length whose exact prefill is estimated (from a short warm-up prefill) to take "
+                             "longer, or not to fit in memory, gets SnapKV prefilled in chunks and the full "
+                             "cache's estimate instead of a run."),
+    prefill_chunk: int = typer.Option(4096, min=64, help="Chunk size of such a prefill, in tokens."),
 ) -> None:
     """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle."""
     from snapkv.bench import run_bench
@@ -103,16 +118,25 @@ def bench(
         result = run_bench(loaded, lengths, budgets, settings=settings, decode_tokens=decode_tokens,
                            repeats=repeats,
                            allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
+                           max_prefill_seconds=max_prefill_seconds, prefill_chunk=prefill_chunk,
                            on_row=lambda row: status.update(f"Measured {row.method} at {row.length} tokens..."))
     if plot is not None:
         _plot(result, plot)
     if as_json:
         data = dataclasses.asdict(result)
+        for row, row_data in zip(result.rows, data["rows"]):
+            row_data["above_floor"] = row.above_floor
         if result.followup:
             data["followup"]["speedup"] = result.followup.speedup
         sys.stdout.write(json.dumps(data) + "\n")
         return
     stdout_console().print(_table(result))
+    stdout_console().print(
+        f"floor: (weights {result.weight_bytes / 2**20:.0f} MiB + KV decoded against) per token at the read "
+        f"bandwidth measured in this run, {result.read_bandwidth / 1e9:.1f} GB/s; (x) = decode / floor")
+    for name, fitted in result.growth.items():
+        stdout_console().print(f"growth with length, {name}: " + ", ".join(
+            f"{key.replace('_', ' ')} ~ n^{exponent:.2f}" for key, exponent in fitted.items()))
     for note in result.notes:
         err.print("note: " + note, markup=False)
     follow = result.followup
@@ -121,3 +145,8 @@ def bench(
             f"follow-up question at {follow.length} tokens, budget {follow.budget}: load {follow.load_seconds:.3f} s + "
             f"first token {follow.ttft_seconds:.3f} s vs re-prefill {follow.reprefill_seconds:.2f} s = "
             f"{follow.speedup:.1f}x faster ({follow.file_bytes / 2**20:.1f} MiB file)")
+        if follow.load_split:
+            split = follow.load_split
+            stdout_console().print(
+                f"  load = read {split['read_seconds']:.3f} s + digest {split['digest_seconds']:.3f} s + restore "
+                f"(checks, dequantize, place) {split['restore_seconds']:.3f} s; first token = the question's pass")

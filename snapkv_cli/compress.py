@@ -9,9 +9,9 @@ from snapkv.errors import CacheFileError, ConfigError
 from snapkv.paths import CACHE_SUFFIX as SUFFIX
 
 from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
-                      NoCompressOption, PasswordOption, PoolingOption, QueryAwareOption, StoreBitsOption,
-                      StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption, WindowOption,
-                      settings_from)
+                      NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption, QueryAwareOption,
+                      StoreBitsOption, StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption,
+                      WindowOption, settings_from)
 
 
 def compress(
@@ -28,6 +28,7 @@ def compress(
     store_keep: StoreKeepOption = DEFAULTS.store_keep,
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    prefill_chunk: PrefillChunkOption = None,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_compress: NoCompressOption = False,
     truncate: TruncateOption = None,
@@ -56,7 +57,7 @@ def compress(
         except CacheFileError as error:
             raise ConfigError(f"{output} exists and is not a snapkv cache; refusing to overwrite it") from error
     settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
-                             store_method, store_bits)
+                             store_method, store_bits, prefill_chunk)
     err = stderr_console()
     from_file = source.endswith(SUFFIX)
     with err.status("Reading documents..."):

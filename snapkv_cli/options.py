@@ -49,6 +49,17 @@ StoreMethodOption = Annotated[Literal["reconstruction", "snapkv", "pseudo-questi
 StoreBitsOption = Annotated[Literal[16, 8, 4, 2], typer.Option(
     help="Bits per saved key and value: 16 (lossless in bf16), 8 (about 1.9x smaller), 4 (about 3.6x) or 2 "
          "(6.7x, loses most answers); grouped scales on KIVI's axes. Computation stays in the model's dtype.")]
+PrefillChunkOption = Annotated[Optional[int], typer.Option(
+    parser=size("--prefill-chunk"), metavar="SIZE",
+    help="Prefill a longer prompt in chunks of SIZE tokens, cutting every layer back with SnapKV after each: "
+         "memory bounded by the budget plus one chunk, time linear in length (for prompts whose exact prefill "
+         "is too slow or too large). The saved tier is then SnapKV's (--budget, or --store-budget, default 4x "
+         "the budget, in query-aware mode); it finds fewer facts than the exact prefill (README).")]
+CompileOption = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile",
+    help="Decode with a compiled step (torch.compile; needs a C compiler on CPU). It pays back its compile in "
+         "a long-lived process: default on in `repl` and `snapkv serve`, off for a one-shot ask (README, "
+         "Measured). Compiled code is cached in the snapkv home; a failed compile falls back to the eager step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]], typer.Option(
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "
@@ -69,7 +80,7 @@ BudgetsOption = Annotated[str, typer.Option(
 
 # The SnapKVConfig fields a command line sets; `explicit_settings` tells which were typed.
 SETTING_OPTIONS = ("budget", "window", "kernel", "pooling", "query_aware", "no_compress", "store_budget",
-                   "store_keep", "store_method", "store_bits")
+                   "store_keep", "store_method", "store_bits", "prefill_chunk")
 STORE_OPTIONS = ("store_budget", "store_keep", "store_method", "store_bits")
 
 
@@ -77,7 +88,8 @@ def settings_from(budget: int = DEFAULTS.budget, window: int = DEFAULTS.window, 
                   pooling: str = DEFAULTS.pooling, query_aware: bool = DEFAULTS.query_aware,
                   no_compress: bool = False, store_budget: int | None = None,
                   store_keep: float | None = DEFAULTS.store_keep, store_method: str = DEFAULTS.store_method,
-                  store_bits: int = DEFAULTS.store_bits) -> SnapKVConfig | None:
+                  store_bits: int = DEFAULTS.store_bits,
+                  prefill_chunk: int | None = None) -> SnapKVConfig | None:
     """The settings a command line asks for; None for --no-compress (the full cache)."""
     if no_compress:
         return None
@@ -85,7 +97,7 @@ def settings_from(budget: int = DEFAULTS.budget, window: int = DEFAULTS.window, 
         store_keep = None  # positions per head instead of the default share
     return SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling, query_aware=query_aware,
                         store_budget=store_budget, store_keep=store_keep, store_method=store_method,
-                        store_bits=store_bits)
+                        store_bits=store_bits, prefill_chunk=prefill_chunk)
 
 
 def explicit_settings(ctx: typer.Context) -> frozenset[str]:

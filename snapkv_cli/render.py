@@ -100,7 +100,8 @@ def prefill_progress(err: Console, tokens: int, scoring: str | None = None):
         if "prefill" not in tasks:
             tasks["prefill"] = progress.add_task(f"Prefilling {tokens} tokens", total=total, unit="", rate="")
         elapsed = time.perf_counter() - started
-        progress.update(tasks["prefill"], completed=done, unit=f"layer {done}/{total}",
+        unit = "tokens" if total == tokens else "layer"  # a prefill in chunks reports tokens, an exact one layers
+        progress.update(tasks["prefill"], completed=done, unit=f"{unit} {done}/{total}",
                         rate=f"{tokens * done / total / max(elapsed, 1e-9):,.0f} tokens/s")
 
     def on_step(done: int, total: int) -> None:

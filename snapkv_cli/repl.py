@@ -13,11 +13,10 @@ from snapkv.config import DEFAULTS
 from snapkv.errors import SnapKVError
 from snapkv.paths import CACHE_SUFFIX as SUFFIX
 
-from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, MaxTokensOption,
-                      ModelOption,
-                      PasswordOption, PoolingOption, QueryAwareOption, SkipDigestOption, StoreBitsOption,
-                      StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption, WindowOption,
-                      explicit_settings, settings_from)
+from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
+                      MaxTokensOption, ModelOption, PasswordOption, PoolingOption, PrefillChunkOption,
+                      QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
+                      StoreMethodOption, TruncateOption, WindowOption, explicit_settings, settings_from)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
   /help                 this text
@@ -158,6 +157,8 @@ def repl(
     store_keep: StoreKeepOption = DEFAULTS.store_keep,
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    prefill_chunk: PrefillChunkOption = None,
+    compile: CompileOption = None,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_store: bool = typer.Option(False, "--no-store", help="Neither look up nor save the document's cache."),
     skip_digest: SkipDigestOption = False,
@@ -190,12 +191,12 @@ def repl(
 
     err, out = stderr_console(), stdout_console()
     settings = settings_from(budget, window, kernel, pooling, query_aware, False, store_budget, store_keep,
-                             store_method, store_bits)
+                             store_method, store_bits, prefill_chunk)
     from_file = source.endswith(SUFFIX)
     document = None if from_file else read_sources(source, password)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate)
+                      truncate=truncate, compile=compile is not False)
     prepared = (load_file_with_status(err, session, source, explicit_settings(ctx)) if from_file
                 else prepare_with_progress(err, session, document))
     state = _State(prepared, prepared.per_question or settings.cut,

@@ -42,6 +42,14 @@ def test_random_weights_bench_json_and_plot(home, tmp_path):
         assert row["peak_memory_bytes"] >= row["kv_bytes"] > 0 and row["answer_peak_memory_bytes"] > 0
     full, small = rows[3], rows[4]
     assert small["kv_bytes"] < full["kv_bytes"]
+    # the floor: the weights and the KV decoded against, read once per token at the bandwidth measured
+    assert data["read_bandwidth"] > 1e8 and data["weight_bytes"] > 0
+    for row in rows:
+        assert row["bytes_per_token"] == data["weight_bytes"] + row["kv_bytes"]
+        expected_floor = 1000 * row["bytes_per_token"] / data["read_bandwidth"]
+        assert row["floor_ms_per_token"] == pytest.approx(expected_floor)
+        assert row["above_floor"] == pytest.approx(row["decode_ms_per_token"] / expected_floor)
+    assert full["floor_ms_per_token"] > small["floor_ms_per_token"]
     assert data["followup"]["length"] == 1200 and data["followup"]["speedup"] > 0
     assert any("random weights" in note for note in data["notes"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -80,3 +88,47 @@ def test_peak_memory_sees_each_block_in_one_process():
     output = subprocess.run([sys.executable, "-c", MEASURE_TWICE], capture_output=True, text=True, check=True)
     peaks = [float(line) for line in output.stdout.split()]
     assert len(peaks) == 2 and all(peak >= 0.9 * 300 for peak in peaks), peaks
+
+
+def test_weight_bytes_per_token_counts_a_shared_table_once_and_a_separate_one_as_a_row():
+    from conftest import build_tiny
+    from snapkv.floor import weight_bytes_per_token
+
+    model = build_tiny("llama-gqa")  # untied: the input table is read one row per token, the head whole
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.get_input_embeddings().weight
+    assert weight_bytes_per_token(model) == every - table.numel() * 4 + table.shape[1] * 4
+    model.get_output_embeddings().weight = table  # tied: the table is read whole, once
+    assert weight_bytes_per_token(model) == every - table.numel() * 4
+
+
+def test_a_length_too_long_for_the_exact_prefill_gets_snapkv_in_chunks_and_the_full_cache_estimated(home):
+    result = CliRunner().invoke(app, ["bench", "--random-weights", str(TINY_SHAPE), "--length", "600,1200",
+                                      "--budget", "128", "--decode-tokens", "4", "--repeats", "1",
+                                      "--max-prefill-seconds", "0", "--prefill-chunk", "256", "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    rows = data["rows"]
+    assert [(r["length"], r["method"], r["estimated"], r["prefill_chunk"]) for r in rows] == [
+        (600, "full", True, None), (600, "snapkv", False, 256), (1200, "full", True, None), (1200, "snapkv", False, 256)]
+    for estimate in rows[0], rows[2]:  # the JSON rows keep their keys; an estimate says so
+        assert estimate["prefill_seconds"] == estimate["exact_estimate_seconds"] > 0
+        assert estimate["decode_ms_per_token"] == 0
+    assert rows[2]["prefill_seconds"] > 2 * rows[0]["prefill_seconds"]  # an exact prefill grows faster than n
+    assert rows[1]["kv_bytes"] == rows[3]["kv_bytes"] > 0  # bounded: the same cache at both lengths
+    assert set(data["growth"]["snapkv 128 in chunks of 256"]) == {"prefill_seconds", "decode_ms_per_token",
+                                                                   "peak_memory_bytes"}
+    assert data["followup"] is None and sum("in chunks of 256" in note for note in data["notes"]) == 2
+
+
+def test_fit_growth_recovers_the_exponent():
+    from snapkv.bench import BenchRow, fit_growth
+
+    rows = [BenchRow(n, "snapkv", 128, True, 0.001 * n ** 2, 0.1, 5.0 * n, 10, 7 * n, None) for n in (1000, 2000, 8000)]
+    rows.append(BenchRow(16000, "full", None, False, 9.0, 0, 0, 0, 0, None, estimated=True))
+    growth = fit_growth(rows)
+    assert set(growth) == {"snapkv 128"}  # an estimate is not a measurement
+    assert growth["snapkv 128"]["prefill_seconds"] == pytest.approx(2.0)
+    assert growth["snapkv 128"]["decode_ms_per_token"] == pytest.approx(1.0)
+    assert growth["snapkv 128"]["peak_memory_bytes"] == pytest.approx(1.0)

@@ -176,7 +176,7 @@ def test_document_longer_than_the_context_is_refused_or_cut(home, tmp_path, side
         invoke("ask", str(long_document), "q", "--no-store")
     result = invoke("ask", str(long_document), REVENUE, "--truncate", side, "--json", "--max-new-tokens", "4")
     assert result.exit_code == 0, result.output
-    assert f"cut by" in result.stderr and f"({side})" in result.stderr
+    assert "cut by" in result.stderr and f"({side})" in result.stderr
     report = json.loads(result.stdout)
     assert report["document"]["tokens"] == 8192 - 128 and report["document"]["truncated_tokens"] > 0
     # the saved file records the cut, and `info` says what was cut

@@ -107,3 +107,26 @@ def test_group_mean_and_selection():
     assert kept.tolist() == [[[0, 1, 4, 5, 6]]]
     states = torch.arange(7.0).view(1, 1, 7, 1).expand(1, 1, 7, 2)
     assert torch.equal(gather_positions(states, kept)[0, 0, :, 0], kept[0, 0].float())
+
+
+def test_a_prefill_in_chunks_is_a_snapkv_tier_that_says_so_and_survives_a_file():
+    from snapkv.config import Cut, SnapKVConfig
+    from snapkv.memory import estimate_prefill
+
+    document_window = SnapKVConfig(budget=512, query_aware=False, prefill_chunk=2048)
+    assert document_window.stored_tier.budget == 512 and document_window.mode == "document-window"
+    query_aware = SnapKVConfig(budget=512, prefill_chunk=2048)
+    tier = query_aware.stored_tier
+    assert (tier.budget, tier.chunk, tier.method.name) == (4 * 512, 2048, "snapkv") and query_aware.mode == "query-aware"
+    assert "chunks of 2048" in tier.describe()
+    assert Cut.from_dict(tier.to_dict()) == tier
+    with pytest.raises(ConfigError, match="chunks"):
+        SnapKVConfig(prefill_chunk=16)  # no longer than the window
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8)
+    exact = estimate_prefill(config, 131072, torch.bfloat16, Cut(1024, 32))
+    chunked = estimate_prefill(config, 131072, torch.bfloat16, Cut(1024, 32, chunk=4096))
+    at_16k = estimate_prefill(config, 16384, torch.bfloat16, Cut(1024, 32, chunk=4096))
+    assert chunked.total_bytes < exact.total_bytes / 10 and chunked.total_bytes == at_16k.total_bytes

@@ -245,3 +245,124 @@ def test_sampling_is_reproducible_with_a_seed():
     first = list(answer(model, cache, random_ids(4, 15), sampling=sampling, max_new_tokens=10))
     second = list(answer(model, cache, random_ids(4, 15), sampling=sampling, max_new_tokens=10))
     assert first == second and len(first) == 10
+
+
+@pytest.mark.parametrize("per_question", [None, Cut(24, 8)])
+def test_presized_decoding_answers_token_for_token_as_concatenation(tiny_model, per_question):
+    """The cache written in place (snapkv.presized) gives the same greedy answer as appending by concatenation,
+    on every architecture, the full cache and a per-question cut alike; the stored cache is left unchanged."""
+    cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 5), None)
+    before = [keys.clone() for keys in cache.keys]
+    question = random_ids(6, 6)
+    answers = {presized: list(answer(tiny_model, cache, question, per_question=per_question, max_new_tokens=24,
+                                     presized=presized)) for presized in (True, False)}
+    assert len(answers[True]) == 24 and answers[True] == answers[False]
+    assert len(set(answers[True])) > 3  # an answer that says something, not one token repeated
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys))
+
+
+def test_presized_layer_grows_past_its_room():
+    from snapkv.presized import PresizedLayer
+
+    keys = torch.randn(1, 2, 5, 4)
+    layer = PresizedLayer(keys, keys.clone(), room=1)
+    for step in range(4):  # the second append goes past the room: the buffer grows, nothing is lost
+        new = torch.full((1, 2, 1, 4), float(step))
+        layer.update(new, new)
+    assert layer.get_seq_length() == 9
+    assert torch.equal(layer.keys[:, :, :5], keys)
+    assert torch.equal(layer.keys[:, :, 5:, 0], torch.arange(4.0).expand(1, 2, 4))
+
+
+@pytest.mark.slow
+def test_compiled_decoding_answers_token_for_token_as_eager():
+    """torch.compile'd steps over a static copy of the cache (snapkv.compiled) give the greedy answer of the eager
+    engine, for the full cache and a per-question cut; a second answer of the same room compiles nothing."""
+    from snapkv.compiled import CompiledDecoder
+
+    model = build_tiny("llama-gqa")
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
+    question = random_ids(6, 6)
+    decoder = CompiledDecoder(model)
+    for per_question in (None, Cut(24, 8)):
+        eager = list(answer(model, cache, question, per_question=per_question, max_new_tokens=16))
+        compiled = list(answer(model, cache, question, per_question=per_question, max_new_tokens=16, decoder=decoder))
+        assert decoder.failure is None and compiled == eager and len(set(eager)) > 3
+    compiled_once = decoder.compile_seconds
+    assert compiled_once > 0
+    list(answer(model, cache, question, per_question=Cut(24, 8), max_new_tokens=16, decoder=decoder))
+    assert decoder.compile_seconds == compiled_once
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_step(monkeypatch):
+    from snapkv.compiled import CompiledDecoder
+
+    def broken_compile(function, **options):
+        def fails(*args):
+            raise RuntimeError("no C compiler found\nmore detail")
+        return fails
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    model = build_tiny("qwen2")
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
+    question = random_ids(6, 6)
+    decoder = CompiledDecoder(model)
+    eager = list(answer(model, cache, question, max_new_tokens=12))
+    assert list(answer(model, cache, question, max_new_tokens=12, decoder=decoder)) == eager
+    assert decoder.failure == "RuntimeError: no C compiler found"
+    assert not decoder.qualifies(cache.to_dynamic_cache(model.config))  # given up for good
+
+
+def test_sliding_window_caches_do_not_qualify_for_compiling():
+    from snapkv.compiled import CompiledDecoder
+
+    model = build_tiny("gemma3")
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
+    assert not CompiledDecoder(model).qualifies(cache.to_dynamic_cache(model.config))
+    llama = build_tiny("llama-gqa")
+    assert CompiledDecoder(llama).qualifies(prefill(llama, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(llama.config))
+
+
+def test_chunked_prefill_with_nothing_to_drop_is_the_exact_prefill(tiny_model):
+    """Chunks that attend to the cache so far and to themselves give the cache of one pass (masks and RoPE
+    positions right), on every architecture."""
+    from snapkv.generation import chunked_prefill
+
+    ids = random_ids(300, 7)
+    exact = prefill(tiny_model, ids, None)
+    chunked = chunked_prefill(tiny_model, ids, Cut(1000, 8), chunk=64)
+    for index, (a, b) in enumerate(zip(exact.keys + exact.values, chunked.keys + chunked.values)):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4), index
+    assert all(torch.equal(a, b) for a, b in zip(exact.positions, chunked.positions))
+
+
+def test_chunked_prefill_stays_within_its_bound_and_one_chunk_is_the_exact_cut(tiny_model):
+    from snapkv.generation import chunked_prefill
+
+    ids = random_ids(300, 8)
+    cut = Cut(64, 8)
+    exact = prefill(tiny_model, ids, cut)
+    assert all(torch.equal(a, b) for a, b in zip(exact.positions, chunked_prefill(tiny_model, ids, cut, 512).positions))
+    seen = []
+    chunked = chunked_prefill(tiny_model, ids, cut, chunk=100, on_chunk=lambda done, total: seen.append((done, total)))
+    assert seen == [(100, 300), (200, 300), (300, 300)]
+    compressible = set(compressible_indices(tiny_model))
+    for index, positions in enumerate(chunked.positions):
+        for head in positions:
+            assert torch.all(head[1:] > head[:-1])
+            assert torch.isin(torch.arange(300 - 8, 300), head).all()  # the prompt's tail: the last window
+        if index in compressible:
+            assert positions.shape[1] == 64
+    assert chunked.original_length == 300
+
+
+def test_a_last_piece_shorter_than_the_window_joins_the_chunk_before_it():
+    from snapkv.generation import chunked_prefill
+
+    model = build_tiny("llama-gqa")
+    seen = []
+    cache = chunked_prefill(model, random_ids(305, 9), Cut(64, 8), chunk=100,
+                            on_chunk=lambda done, total: seen.append(done))
+    assert seen == [100, 200, 305]  # 5 tokens left: not a chunk of their own
+    assert all(positions.shape[1] == 64 and all(torch.isin(torch.arange(297, 305), head).all() for head in positions)
+               for positions in cache.positions)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.config import Cut, SnapKVConfig
+from snapkv.config import Cut
 from snapkv.generation import answer, prefill
 from snapkv.memory import PeakMemory, estimate_prefill
 from snapkv.cachefile import load_cache, save_cache

@@ -8,16 +8,15 @@ import torch
 from conftest import VOCAB, build_tiny
 from snapkv.architectures import attention_layers
 from snapkv.cachefile import load_cache, read_metadata, save_cache
-from snapkv.config import Cut, SnapKVConfig, Tier
+from snapkv.config import Cut, SnapKVConfig
 from snapkv.documents import Document
 from snapkv.errors import CacheFileError
 from snapkv.generation import answer, prefill
 from snapkv.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
-from snapkv.prompting import Prompter
 from snapkv.quantize import CHANNELS, TOKENS, Scheme, dequantize, quantize
 from snapkv.session import Session
 from snapkv.store import CacheStore
-from snapkv.tiers import build_tier, derive_tier, keep_best, probe_scores
+from snapkv.tiers import keep_best, probe_scores
 
 DOCUMENT = Document(" ".join(f"Entry {i}: the ferry left pier {i * 7 % 13} at {i % 12 + 1} o'clock." for i in range(30)))
 

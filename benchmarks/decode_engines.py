@@ -1,0 +1,78 @@
+"""Decode ms/token of the three decode engines on one prepared cache, side by side in one run:
+
+- concat:   transformers' way, each token appended by concatenation (a copy of the whole cache per token);
+- presized: snapkv's default, the cache copied once into a buffer with room for the answer, written in place;
+- compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
+
+For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
+token against concat's (greedy). The engines take turns, --repeats rounds, medians reported.
+
+    .venv/bin/python benchmarks/decode_engines.py --tokens 7k --budget 1024
+"""
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="7k")
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import torch
+
+    from snapkv.compiled import CompiledDecoder
+    from snapkv.config import SnapKVConfig
+    from snapkv.documents import Document
+    from snapkv.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
+    from snapkv.generation import answer
+    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.models import load_model
+    from snapkv.session import Session
+    from snapkv.sizes import parse_size
+
+    torch.set_num_threads(args.threads)
+    length = parse_size(args.tokens, name="--tokens")
+    loaded = load_model()
+    question = loaded.prompter.question_ids(NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX)
+    document = Document(build_haystack(loaded.tokenizer, filler_text(), length, 0.5, "48613").text)
+    bandwidth, weights = read_bandwidth(loaded.device), weight_bytes_per_token(loaded.model)
+    print(f"{loaded.name}, {str(loaded.dtype).replace('torch.', '')}, {args.threads} threads, "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s, weights {weights / 2**20:.0f} MiB per token")
+    for name, settings in (("full cache", None), (f"SnapKV {args.budget}", SnapKVConfig(budget=args.budget))):
+        session = Session(loaded, settings)
+        prepared = session.prepare(session.prompt(document, max_tokens=length))
+        decoder = CompiledDecoder(loaded.model)
+        engines = {"concat": dict(presized=False), "presized": dict(presized=True), "compiled": dict(decoder=decoder)}
+        times = {engine: [] for engine in engines}
+        answers = {}
+        for round_ in range(args.repeats + 1):  # round 0 warms up (and compiles)
+            for engine, options in engines.items():
+                tokens, first_at = [], None
+                for token in answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
+                                    max_new_tokens=args.decode_tokens, **options):
+                    tokens.append(token)
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                ended = time.perf_counter()
+                answers[engine] = tokens
+                if round_:
+                    times[engine].append(1000 * (ended - first_at) / (len(tokens) - 1))
+        kv_bytes = prepared.decoded_kv_bytes(question.shape[0])
+        floor = floor_ms_per_token(weights, kv_bytes, bandwidth)
+        print(f"{name} at {prepared.tokens} tokens (KV decoded against {kv_bytes / 2**20:.1f} MiB, "
+              f"floor {floor:.1f} ms/token):")
+        for engine in engines:
+            median = statistics.median(times[engine])
+            same = "same answer" if answers[engine] == answers["concat"] else "DIFFERENT answer"
+            print(f"  {engine:<9} {median:7.1f} ms/token  ({median / floor:.1f}x the floor; {same})")
+        print(f"  compile: {decoder.compile_seconds:.1f} s" + (f"; failed: {decoder.failure}" if decoder.failure else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""A transformers cache layer sized once for an answer and written in place.
+
+DynamicLayer appends by concatenation: every decoded token copies the layer's whole cache (at 7k tokens
+of the full cache in fp32, about 320 MB per token for the embedded model, more than its weights). A
+PresizedLayer holds one buffer with room for the whole answer; each token is written into its slot and
+attention reads a view of the filled part. The first token past the room doubles it (never expected:
+room is sized from max_new_tokens).
+"""
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class PresizedLayer(DynamicLayer):
+    """keys, values: views (batch, kv_heads, filled, head_dim) of buffers with `room` more slots."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
+        super().__init__()
+        self.device = keys.device
+        self.is_initialized = True
+        self._filled = keys.shape[-2]
+        self._key_buffer = self._allocate(keys, self._filled + room)
+        self._value_buffer = self._allocate(values, self._filled + room)
+        self._point_views()
+
+    @staticmethod
+    def _allocate(states: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, filled, dim = states.shape
+        buffer = states.new_empty((batch, heads, capacity, dim))
+        buffer[:, :, :filled].copy_(states)
+        return buffer
+
+    def _point_views(self) -> None:
+        self.keys = self._key_buffer[:, :, : self._filled]
+        self.values = self._value_buffer[:, :, : self._filled]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        new = key_states.shape[-2]
+        end = self._filled + new
+        if end > self._key_buffer.shape[-2]:
+            self._key_buffer = self._allocate(self.keys, 2 * end)
+            self._value_buffer = self._allocate(self.values, 2 * end)
+        self._key_buffer[:, :, self._filled : end].copy_(key_states)
+        self._value_buffer[:, :, self._filled : end].copy_(value_states)
+        self._filled = end
+        self._point_views()
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self._filled = self.keys.shape[-2]
+
+
+def presize(cache: DynamicCache, room: int) -> None:
+    """Turn every plain full-attention layer of `cache` into a PresizedLayer with `room` free slots (a copy of
+    what it holds, once). Sliding-window layers keep their own bounded update."""
+    for index, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            cache.layers[index] = PresizedLayer(layer.keys, layer.values, room)
