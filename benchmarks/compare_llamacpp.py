@@ -20,20 +20,26 @@ from pathlib import Path
 
 def llama_side(args) -> None:
     """Runs in the llama-cpp-python environment: prefill the ids, then decode greedily, timing each part."""
+    import numpy as np
     from llama_cpp import Llama
 
     ids = json.loads(Path(args.ids).read_text())
     llm = Llama(model_path=args.gguf, n_ctx=len(ids) + args.decode_tokens + 8, n_threads=args.threads,
                 n_threads_batch=args.threads, n_batch=512, verbose=False)
+    vocab = llm.n_vocab()
+
+    def last_logits():  # the last evaluated position's logits (only it has any without logits_all)
+        return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,))
+
     started = time.perf_counter()
     llm.eval(ids)
     prefilled = time.perf_counter()
-    token = int(llm.scores[llm.n_tokens - 1].argmax())
+    token = int(last_logits().argmax())
     first = time.perf_counter()
     tokens = [token]
     for _ in range(args.decode_tokens - 1):
         llm.eval([token])
-        token = int(llm.scores[llm.n_tokens - 1].argmax())
+        token = int(last_logits().argmax())
         tokens.append(token)
     ended = time.perf_counter()
     Path(args.out).write_text(json.dumps({

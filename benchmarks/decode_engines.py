@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has bf16 units), float32, bfloat16")
     args = parser.parse_args()
 
     import torch
@@ -38,7 +39,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     length = parse_size(args.tokens, name="--tokens")
-    loaded = load_model()
+    loaded = load_model(dtype=args.dtype)
     question = loaded.prompter.question_ids(NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX)
     document = Document(build_haystack(loaded.tokenizer, filler_text(), length, 0.5, "48613").text)
     bandwidth, weights = read_bandwidth(loaded.device), weight_bytes_per_token(loaded.model)

@@ -22,12 +22,12 @@ from snapkv.models import load_model
 from snapkv.session import Session
 from snapkv.sizes import parse_sizes
 
-HALF = replace(DEFAULTS, store_keep=0.5)
+HALF = replace(DEFAULTS, store_keep=0.5, store_bits=4)
 TIERS = {
-    f"default (pseudo-question {DEFAULTS.store_keep:.0%}, {DEFAULTS.store_bits}-bit)": DEFAULTS,
-    "pseudo-question 50%, 4-bit": HALF,
-    "whole prompt, 4-bit": replace(DEFAULTS, store_keep=None),
-    "whole prompt, 8-bit": replace(DEFAULTS, store_keep=None, store_bits=8),
+    "default (whole prompt, 8-bit)": DEFAULTS,
+    "pseudo-question 70%, 4-bit": replace(HALF, store_keep=0.7),
+    "pseudo-question 50%, 4-bit": replace(HALF, store_method="pseudo-question"),
+    "whole prompt, 4-bit": replace(DEFAULTS, store_bits=4),
     "reconstruction 50%, 4-bit": replace(HALF, store_method="reconstruction"),
     "snapkv document window 50%, 4-bit": replace(HALF, store_method="snapkv"),
     "key-norm 50%, 4-bit": replace(HALF, store_method="key-norm"),

@@ -10,7 +10,6 @@ import typer
 from snapkv.config import DEFAULTS
 from snapkv.paths import CACHE_SUFFIX
 
-from . import serve
 from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption,
                       QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
@@ -32,7 +31,7 @@ def ask(
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
     prefill_chunk: PrefillChunkOption = None,
-    compile: CompileOption = None,
+    compile: CompileOption = False,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_compress: NoCompressOption = False,
     no_store: bool = typer.Option(False, "--no-store",
@@ -82,7 +81,7 @@ def ask(
     ingest_seconds = time.perf_counter() - started
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate, compile=compile if compile is not None else serve.IN_SERVER)
+                      truncate=truncate, compile=compile)
     if from_file:
         prepared = load_file_with_status(err, session, source, explicit_settings(ctx))
     else:

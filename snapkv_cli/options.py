@@ -38,28 +38,30 @@ StoreBudgetOption = Annotated[Optional[int], typer.Option(
 StoreKeepOption = Annotated[Optional[float], typer.Option(
     min=0.0, max=1.0,
     help="Query-aware: the share of the document's positions the saved file keeps, chosen by --store-method "
-         "(the template around the document is always kept); 1 keeps the whole prompt. 0.7 at 4 bits is about "
-         "5x smaller than the full cache and answered the needle grid as it did; 0.5 is about 7x smaller and "
-         "missed 3 of 44 needles (README, What is saved).")]
+         "(the template around the document is always kept). Default: the whole prompt. 0.7 at 4 bits is 4.5x "
+         "smaller than the full cache but missed 2-3 more of 44 needles and 2 of 10 facts; 0.5 at 4 bits 6.3x "
+         "(README, What is saved).")]
 StoreMethodOption = Annotated[Literal["reconstruction", "snapkv", "pseudo-question", "key-norm"], typer.Option(
     help="How the saved tier is chosen: pseudo-question (a generic question and the document's tail re-read "
          "as windows; the most accurate measured), reconstruction (the positions the model needs to repeat the "
          "document, KVzip's idea; one more pass over the document), snapkv (the document's tail as the window) "
          "or key-norm (the smallest keys; no extra pass).")]
 StoreBitsOption = Annotated[Literal[16, 8, 4, 2], typer.Option(
-    help="Bits per saved key and value: 16 (lossless in bf16), 8 (about 1.9x smaller), 4 (about 3.6x) or 2 "
-         "(6.7x, loses most answers); grouped scales on KIVI's axes. Computation stays in the model's dtype.")]
+    help="Bits per saved key and value: 16 (lossless in bf16), 8 (1.8x smaller; the default, answers as the "
+         "full cache did), 4 (3.2x) or 2 (loses most answers); groups of 32 with scales on KIVI's axes. "
+         "Computation stays in the model's dtype.")]
 PrefillChunkOption = Annotated[Optional[int], typer.Option(
     parser=size("--prefill-chunk"), metavar="SIZE",
     help="Prefill a longer prompt in chunks of SIZE tokens, cutting every layer back with SnapKV after each: "
          "memory bounded by the budget plus one chunk, time linear in length (for prompts whose exact prefill "
          "is too slow or too large). The saved tier is then SnapKV's (--budget, or --store-budget, default 4x "
          "the budget, in query-aware mode); it finds fewer facts than the exact prefill (README).")]
-CompileOption = Annotated[Optional[bool], typer.Option(
+CompileOption = Annotated[bool, typer.Option(
     "--compile/--no-compile",
-    help="Decode with a compiled step (torch.compile; needs a C compiler on CPU). It pays back its compile in "
-         "a long-lived process: default on in `repl` and `snapkv serve`, off for a one-shot ask (README, "
-         "Measured). Compiled code is cached in the snapkv home; a failed compile falls back to the eager step.")]
+    help="Decode with a compiled step (torch.compile over a static cache; needs a C compiler on CPU). Off by "
+         "default: on a 2-core CPU in bf16 it decoded slower than the eager step and compiled for 35-45 s "
+         "(README, Measured); to try on GPUs. Compiled code is cached in the snapkv home; a failed compile "
+         "falls back to the eager step.")]
 DeviceOption = Annotated[str, typer.Option(help="auto, cpu, cuda or cuda:N.")]
 DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]], typer.Option(
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "

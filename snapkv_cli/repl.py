@@ -158,7 +158,7 @@ def repl(
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
     prefill_chunk: PrefillChunkOption = None,
-    compile: CompileOption = None,
+    compile: CompileOption = False,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_store: bool = typer.Option(False, "--no-store", help="Neither look up nor save the document's cache."),
     skip_digest: SkipDigestOption = False,
@@ -196,7 +196,7 @@ def repl(
     document = None if from_file else read_sources(source, password)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate, compile=compile is not False)
+                      truncate=truncate, compile=compile)
     prepared = (load_file_with_status(err, session, source, explicit_settings(ctx)) if from_file
                 else prepare_with_progress(err, session, document))
     state = _State(prepared, prepared.per_question or settings.cut,

@@ -86,7 +86,7 @@ def test_asking_a_file_with_flags_that_contradict_it(home, tmp_path):
                                           r"document-window cache"):
         invoke("ask", str(whole), REVENUE, "--no-query-aware")
     with pytest.raises(ConfigError, match=r"--store-\* options describe another stored tier"):
-        invoke("ask", str(wide), REVENUE, "--store-bits", "8")
+        invoke("ask", str(wide), REVENUE, "--store-bits", "4")  # the file holds the default, 8-bit
     with pytest.raises(ConfigError, match=r"holds a document-window cache.*--no-compress asks for the full cache"):
         invoke("ask", str(narrow), REVENUE, "--no-compress")
 
@@ -105,7 +105,8 @@ def test_the_repl_saves_what_the_cache_holds(home, tmp_path):
     human = invoke("info", str(saved)).stdout
     assert "whole prompt" in human and "the cache as it is" in human and "1024" not in human
     tier = tmp_path / "tier.snapkv"
-    assert invoke("repl", str(SAMPLE), input=f"/query-aware off\n/save {tier}\n").exit_code == 0
+    assert invoke("repl", str(SAMPLE), "--store-keep", "0.7", "--store-bits", "4",
+                  input=f"/query-aware off\n/save {tier}\n").exit_code == 0
     described = json.loads(invoke("info", str(tier), "--json").stdout)
     assert described["mode"] == "tier-only" and described["per_question"] is None
     assert described["tier"]["cut"]["method"] == "pseudo-question" and described["tier"]["bits"] == 4

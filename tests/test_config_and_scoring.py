@@ -29,9 +29,10 @@ def test_bad_settings_are_refused(kwargs, message):
 
 
 def test_which_cut_at_prefill_and_which_per_question():
-    query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True)
-    assert query_aware.stored_tier == Cut(None, 32, PseudoQuestion(kernel=7), keep=DEFAULTS.store_keep)
-    assert query_aware.mode == "query-aware" and query_aware.store_bits == 4
+    query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True, store_keep=0.7)
+    assert query_aware.stored_tier == Cut(None, 32, PseudoQuestion(kernel=7), keep=0.7)
+    assert query_aware.mode == "query-aware"
+    assert DEFAULTS.stored_tier is None and DEFAULTS.store_bits == 8  # the default file: the whole prompt, 8-bit
     assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"))
     assert SnapKVConfig(store_keep=None).stored_tier is None  # the whole prompt
     tier = SnapKVConfig(budget=256, query_aware=True, store_keep=None, store_budget=2048,
