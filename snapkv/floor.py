@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from .memory import wait_for_device
+
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of parameters a decoded token reads: every weight once, except the input embedding table,
@@ -24,10 +26,6 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 @torch.inference_mode()
 def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
@@ -37,10 +35,10 @@ def read_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5)
     buffer.sum()  # touch it once: pages mapped, kernels loaded
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        wait_for_device(device)
         started = time.perf_counter()
         buffer.sum()
-        _sync(device)
+        wait_for_device(device)
         best = min(best, time.perf_counter() - started)
     return buffer.numel() * buffer.element_size() / best
 

@@ -241,3 +241,10 @@ def _lifetime_peak() -> int:
         return max(_lifetime["peak"], _kernel_peak())
     except OSError:
         return 0
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Wait until the device has done the work queued on it (CUDA runs asynchronously; a CPU has nothing
+    to wait for)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -26,7 +26,7 @@ from .config import stored_bits_of, stored_tier_of
 from .documents import Document, stale_sources
 from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
 from .generation import Sampling, answer
-from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory
+from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory, wait_for_device
 from .models import LoadedModel
 from .store import CacheStore, cache_key
 from .compiled import CompiledDecoder, decoder_for
@@ -133,10 +133,6 @@ class AnswerResult:
         return 1000 * self.decode_seconds / steps if steps > 0 else 0.0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 class AnswerStream:
     """Iterate to get the answer's text as it is generated; `result` is set when it ends."""
@@ -172,13 +168,13 @@ class AnswerStream:
                                     sampling=self._sampling, decoder=self._decoder):
                     if first_token_at is None:
                         if self._measure:
-                            _sync(loaded.device)
+                            wait_for_device(loaded.device)
                         first_token_at = time.perf_counter()
                     if piece := text.add(token):
                         pieces.append(piece)
                         yield piece
                 if self._measure:
-                    _sync(loaded.device)
+                    wait_for_device(loaded.device)
             finish = "length" if len(text.tokens) >= self._max_new_tokens else "stop"
             if piece := text.flush():
                 pieces.append(piece)
@@ -291,13 +287,13 @@ class Session:
                            during.sized_for(prompt.tokens, prompt.document_span) if during else None)
         try:
             with PeakMemory(loaded.device, release=measure) as memory:
-                _sync(loaded.device)
+                wait_for_device(loaded.device)
                 started = time.perf_counter()
                 timings: dict = {}
                 cache = build_tier(loaded.model, loaded.prompter, ids, prompt.document_span, stored, bits,
                                    Tier(truncation=prompt.truncation), on_layer=on_layer, on_step=on_step,
                                    timings=timings)
-                _sync(loaded.device)
+                wait_for_device(loaded.device)
                 seconds = time.perf_counter() - started
         except Exception as error:
             if not is_out_of_memory(error):
@@ -326,7 +322,7 @@ class Session:
             started = time.perf_counter()
             cut = stored.sized_for(cache.original_length, cache.document) if stored is not None else None
             derived = derive_tier(self.loaded.model, self.loaded.prompter, cache, cut, bits, on_step, scores_memo)
-            _sync(self.loaded.device)
+            wait_for_device(self.loaded.device)
             seconds = time.perf_counter() - started
         return PreparedDocument(whole.document, derived, per_question_for(self.settings), prefill_seconds=seconds,
                                 prefill_peak_bytes=memory.peak, tier_seconds=seconds)
