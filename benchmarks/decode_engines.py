@@ -1,7 +1,8 @@
 """Decode ms/token of the three decode engines on one prepared cache, side by side in one run:
 
 - concat:   transformers' way, each token appended by concatenation (a copy of the whole cache per token);
-- presized: snapkv's default, the cache copied once into a buffer with room for the answer, written in place;
+- presized: the cache copied once into a buffer with room for the answer, written in place (snapkv's default
+  except on CPU in 16 bits, where concatenation measured faster);
 - compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for

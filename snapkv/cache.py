@@ -6,8 +6,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .bits import Bits
 from .config import Tier
-from .quantize import dequantize, kivi_schemes, quantize, storage_dtype
+from .quantize import dequantize, quantize, stored_schemes, storage_dtype
 
 
 @dataclass
@@ -124,10 +125,11 @@ class CompressedCache:
             positions=[p.to(device) for p in self.positions],
         )
 
-    def at_precision(self, bits: int) -> "CompressedCache":
+    def at_precision(self, bits: "Bits | int") -> "CompressedCache":
         """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever
         the compute dtype), with that stored form kept as `payload` for the file, so that a cache answers the
         same before it is saved and after it is loaded."""
+        bits = Bits.parse(bits)
         compute = self.keys[0].dtype
         keys, values, payload = [], [], []
         sixteen = storage_dtype(compute, self.keys + self.values) if bits == 16 else None
@@ -136,7 +138,7 @@ class CompressedCache:
                 stored = (layer_keys.to(sixteen), layer_values.to(sixteen))
                 restored = (stored[0].to(compute), stored[1].to(compute))
             else:
-                key_scheme, value_scheme = kivi_schemes(bits, layer_keys.shape[-1])
+                key_scheme, value_scheme = stored_schemes(bits, layer_keys.shape[-1])
                 stored = (quantize(layer_keys, key_scheme), quantize(layer_values, value_scheme))
                 restored = (dequantize(stored[0], compute), dequantize(stored[1], compute))
             keys.append(restored[0])

@@ -40,6 +40,7 @@ from .config import Cut, Tier, mode_of
 from .documents import Source
 from .errors import CacheFileError, ConfigError, IncompatibleCacheError
 from .paths import CACHE_SUFFIX
+from .bits import Bits
 from .quantize import Quantized, Scheme, dequantize
 
 FORMAT_NAME = "snapkv-cache"
@@ -106,7 +107,7 @@ def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict
         tensors.update(_stored_parts(f"layers.{index}.keys", keys))
         tensors.update(_stored_parts(f"layers.{index}.values", values))
     keys, values = cache.payload[0]
-    storage = {"bits": cache.tier.bits, "head_dim": cache.keys[0].shape[-1], "kv_heads": cache.keys[0].shape[0]}
+    storage = {"bits": cache.tier.bits.to_json(), "head_dim": cache.keys[0].shape[-1], "kv_heads": cache.keys[0].shape[0]}
     if isinstance(keys, Quantized):
         storage.update(keys=keys.scheme.to_dict(), values=values.scheme.to_dict())
     else:
@@ -296,7 +297,7 @@ def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> lis
 
 def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str):
     """A layer's keys or values as stored: a 16-bit tensor, or Quantized (its shapes checked)."""
-    if storage["bits"] == 16:
+    if Bits.parse(storage["bits"]) == 16:
         part = tensors[name]
         if part.dtype not in (torch.float16, torch.bfloat16):
             raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
@@ -317,8 +318,12 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
 def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int) -> list[tuple]:
     """(keys, values, positions, stored pair) per layer of a format 2 file."""
     storage = metadata.get("storage") or {}
-    bits, head_dim, kv_heads = storage.get("bits"), storage.get("head_dim"), storage.get("kv_heads")
-    if bits not in (2, 4, 8, 16) or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
+    head_dim, kv_heads = storage.get("head_dim"), storage.get("kv_heads")
+    try:
+        bits = Bits.parse(storage.get("bits"))
+    except ValueError:
+        bits = None
+    if bits is None or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
         raise CacheFileError(f"{path}: damaged metadata (storage {storage!r})")
     parts = ("",) if bits == 16 else (".codes", ".scale", ".minimum")
     expected = {"token_ids"} | {f"layers.{i}.{kind}{part}" for i in range(layers) for kind in ("keys", "values")

@@ -12,10 +12,10 @@ that later loads it is set to.
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
+from .bits import Bits
 from .errors import ConfigError
 from .methods import METHODS, Method, Pooling, PseudoQuestion, SnapKV, method_from_dict, method_to_dict
 
-BITS = (2, 4, 8, 16)  # bits a stored key or value may take (snapkv.quantize does 2, 4 and 8)
 
 Mode = Literal["full", "document-window", "tier-only", "query-aware"]
 TruncateSide = Literal["start", "middle", "end"]
@@ -114,21 +114,20 @@ class Tier:
     key and value is stored in, and any truncation."""
 
     cut: Cut | None = None
-    bits: int = 16
+    bits: Bits = Bits(16)  # an int or "4/3" is taken too
     truncation: Truncation | None = None
 
     def __post_init__(self) -> None:
-        if self.bits not in BITS:
-            raise ConfigError(f"stored bits must be one of {', '.join(map(str, BITS))}, got {self.bits}")
+        object.__setattr__(self, "bits", parse_bits(self.bits, "stored bits"))
 
     def to_dict(self) -> dict:
-        return {"cut": self.cut.to_dict() if self.cut else None, "bits": self.bits,
+        return {"cut": self.cut.to_dict() if self.cut else None, "bits": self.bits.to_json(),
                 "truncation": self.truncation.to_dict() if self.truncation else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Tier":
         truncation = data.get("truncation")
-        return cls(cut=Cut.from_dict(data["cut"]) if data.get("cut") else None, bits=int(data.get("bits", 16)),
+        return cls(cut=Cut.from_dict(data["cut"]) if data.get("cut") else None, bits=data.get("bits", 16),
                    truncation=Truncation(**truncation) if truncation else None)
 
     def describe(self) -> str:
@@ -137,6 +136,13 @@ class Tier:
         if self.truncation:
             held += f"; document cut by {self.truncation.tokens} tokens at the {self.truncation.side}"
         return held
+
+
+def parse_bits(bits: "Bits | int | str", name: str) -> Bits:
+    try:
+        return Bits.parse(bits)
+    except ValueError as error:
+        raise ConfigError(f"{name}: {error}") from None
 
 
 def mode_of(stored: Cut | None, per_question: Cut | None) -> Mode:
@@ -170,7 +176,8 @@ class SnapKVConfig:
     store_budget: query-aware: the stored tier as positions per head instead of a fraction.
     store_method: how the stored tier is chosen: reconstruction, snapkv (the document's tail as the window),
                   pseudo-question or key-norm (see snapkv.methods), or such a method with its own settings.
-    store_bits:   bits per stored key and value: 16, 8, 4 or 2 (any mode).
+    store_bits:   bits per stored key and value (any mode): 16, 8, 4, 3 or 2, or keys and values apart as
+                  KEYS/VALUES (Bits(4, 3), or "4/3"); below 8 bits Hadamard-rotated (snapkv.quantize).
     store_kernel: pooling width over the stored tier's scores, for methods that pool (None: `kernel` for the
                   methods that score as SnapKV does, the method's own default for the others).
     prefill_chunk: prefill prompts longer than this in chunks of this many tokens, cutting every layer back
@@ -192,7 +199,7 @@ class SnapKVConfig:
     # tiers (store_keep 0.7 at 4 bits: 4.5x) lost a few needles and facts (README "What is saved").
     store_keep: float | None = None
     store_method: str | Method = PseudoQuestion.name
-    store_bits: int = 8
+    store_bits: Bits = Bits(8)  # an int or "4/3" is taken too
     store_kernel: int | None = None
     prefill_chunk: int | None = None
 
@@ -209,8 +216,7 @@ class SnapKVConfig:
             raise ConfigError("give the stored tier as a fraction (store_keep) or as positions (store_budget), not both")
         if isinstance(self.store_method, str) and self.store_method not in METHODS:
             raise ConfigError(f"unknown stored-tier method {self.store_method!r}; known: {', '.join(sorted(METHODS))}")
-        if self.store_bits not in BITS:
-            raise ConfigError(f"store_bits must be one of {', '.join(map(str, BITS))}, got {self.store_bits}")
+        object.__setattr__(self, "store_bits", parse_bits(self.store_bits, "store_bits"))
 
     @property
     def scorer(self) -> Method:
@@ -265,9 +271,9 @@ def stored_tier_of(settings: SnapKVConfig | None) -> Cut | None:
     return settings.stored_tier if settings is not None else None
 
 
-def stored_bits_of(settings: SnapKVConfig | None) -> int:
+def stored_bits_of(settings: SnapKVConfig | None) -> Bits:
     """The full cache (None), the baseline, is stored in 16 bits."""
-    return settings.store_bits if settings is not None else 16
+    return settings.store_bits if settings is not None else Bits(16)
 
 
 def per_question_of(settings: SnapKVConfig | None) -> Cut | None:

@@ -15,7 +15,7 @@ from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import Cut, Tier
-from .presized import presize
+from .presized import presize, presize_pays
 
 if TYPE_CHECKING:
     from .compiled import CompiledDecoder
@@ -182,7 +182,7 @@ def answer(
     max_new_tokens: int = 128,
     stop_ids: frozenset[int] = frozenset(),
     sampling: Sampling = Sampling(),
-    presized: bool = True,
+    presized: bool | None = None,
     decoder: "CompiledDecoder | None" = None,
 ) -> Iterator[int]:
     """Yield the answer's token ids, one at a time (stop tokens are not yielded).
@@ -195,7 +195,8 @@ def answer(
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
     presized: after the question pass, each layer's cache is copied once into a buffer with room for the
-    answer and every token written in place (snapkv.presized); False appends by concatenation, as
+    answer and every token written in place (snapkv.presized); None where that pays (presize_pays: not on
+    CPU in 16 bits); False appends by concatenation, as
     transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
     decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
     (snapkv.compiled); the eager step otherwise, or if compiling fails.
@@ -217,7 +218,7 @@ def answer(
     static = None
     if decoder is not None and max_new_tokens > 1 and decoder.qualifies(working):
         static = decoder.static_copy(working, max_new_tokens - 1)
-    elif presized and max_new_tokens > 1:
+    elif max_new_tokens > 1 and (presized if presized is not None else presize_pays(working)):
         presize(working, max_new_tokens - 1)
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
@@ -234,7 +235,8 @@ def answer(
                 working = None  # the static copy holds everything now: one cache in memory, not two
                 continue
             static = None  # compiling failed before anything was written: go on eagerly
-            presize(working, max_new_tokens - 1 - step)
+            if presized if presized is not None else presize_pays(working):
+                presize(working, max_new_tokens - 1 - step)
         logits = run_forward(
             model, torch.tensor([[token]], device=device), working, torch.tensor([[position]], device=device)
         )

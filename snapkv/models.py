@@ -140,9 +140,14 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def pick_attention(device: torch.device) -> str:
-    """flash_attention_2 on CUDA when flash-attn is installed, else PyTorch's sdpa."""
+    """flash_attention_2 on CUDA when flash-attn is installed; on CPU sdpa with decoding in 16 bits by plain
+    matmuls (snapkv.cpu_attention: sdpa's bf16 kernel is slow for one query); else PyTorch's sdpa."""
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if device.type == "cpu":
+        from . import cpu_attention
+
+        return cpu_attention.NAME
     return "sdpa"
 
 

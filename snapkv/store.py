@@ -14,11 +14,12 @@ import torch
 
 from .cachefile import FORMAT_VERSION, IDENTITY_FIELDS, SUFFIX, read_metadata
 from .config import Cut
+from .bits import Bits
 from .errors import SnapKVError
 from .paths import snapkv_home
 
 
-def cache_key(identity: dict, prompt_ids: torch.Tensor, stored: Cut | None, bits: int = 16) -> str:
+def cache_key(identity: dict, prompt_ids: torch.Tensor, stored: Cut | None, bits: "Bits | int" = 16) -> str:
     """Content address: the model, tokenizer and template, the prompt, the stored tier and its bits, the
     format major."""
     ids_digest = hashlib.sha256(prompt_ids.to(torch.int64).numpy().tobytes()).hexdigest()
@@ -26,7 +27,7 @@ def cache_key(identity: dict, prompt_ids: torch.Tensor, stored: Cut | None, bits
         "identity": {k: identity[k] for k in IDENTITY_FIELDS},
         "prompt_sha256": ids_digest,
         "stored": stored.to_dict() if stored else None,
-        "bits": bits,
+        "bits": Bits.parse(bits).to_json(),
         "format_major": FORMAT_VERSION[0],
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]

@@ -8,6 +8,7 @@ from enum import Enum
 from typing import Annotated, Optional
 
 import typer
+from snapkv.bits import Bits
 from snapkv.config import DEFAULTS
 from snapkv.errors import ConfigError
 from snapkv.sizes import parse_size, parse_sizes
@@ -30,7 +31,7 @@ BOTH_MODES = [EvalMode.query_aware, EvalMode.document_window]
 
 
 def _settings(budgets: str, modes: list[EvalMode], window: int, kernel: int, pooling: str, store_keep: float | None,
-              store_method: str, store_bits: int) -> list:
+              store_method: str, store_bits: Bits) -> list:
     from snapkv.evaluation import EvalSetting
 
     base = settings_from(DEFAULTS.budget, window, kernel, pooling, store_keep=store_keep, store_method=store_method,

@@ -20,7 +20,9 @@ from snapkv.scoring import gather_positions, kept_indices, mean_over_query_group
     (dict(budget=1024, store_keep=None, store_budget=512), "store_budget"),
     (dict(store_keep=1.5), "fraction"),
     (dict(store_keep=0.5, store_budget=2048), "not both"),
-    (dict(store_bits=3), "store_bits"),
+    (dict(store_bits=5), "store_bits"),
+    (dict(store_bits="16/4"), "16 bits is for keys and values both"),
+    (dict(store_bits="4/x"), "KEYS/VALUES"),
     (dict(store_method="magic"), "magic"),
 ])
 def test_bad_settings_are_refused(kwargs, message):

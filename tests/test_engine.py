@@ -366,3 +366,60 @@ def test_a_last_piece_shorter_than_the_window_joins_the_chunk_before_it():
     assert seen == [100, 200, 305]  # 5 tokens left: not a chunk of their own
     assert all(positions.shape[1] == 64 and all(torch.isin(torch.arange(297, 305), head).all() for head in positions)
                for positions in cache.positions)
+
+
+def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
+    """One query row in bf16 on CPU is computed by plain matmuls (snapkv.cpu_attention), grouped heads and
+    masks as sdpa treats them; anything else goes to sdpa itself."""
+    from transformers.integrations import sdpa_attention
+
+    from snapkv import cpu_attention
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    query, key, value = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    allowed = torch.ones(1, 1, 1, 40, dtype=torch.bool)
+    allowed[..., :7] = False  # a sliding window's row: the first positions masked
+    for mask in (None, allowed, torch.zeros(1, 1, 1, 40).masked_fill(~allowed, float("-inf"))):
+        expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+        calls = []
+        monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1))
+        found, _ = cpu_attention.attention_forward(module, *(t.bfloat16() for t in (query, key, value)), mask,
+                                                   scaling=0.25)
+        monkeypatch.undo()
+        assert not calls and found.shape == expected.shape == (1, 1, 6, 16)
+        assert torch.allclose(found.float(), expected, atol=0.03)
+    # more than one query row, or fp32: sdpa's own kernel
+    for args in ((query.expand(1, 6, 3, 16), key, value), (query, key, value)):
+        calls = []
+        monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or (None, None))
+        cpu_attention.attention_forward(module, *(t.bfloat16() if args[0].shape[2] > 1 else t for t in args), None)
+        monkeypatch.undo()
+        assert calls == [1]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma3"])
+def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch):
+    """The same model in bf16 with snapkv's CPU decode attention and with sdpa: every decoded step's logits
+    agree within bf16 rounding (sliding-window layers and per-question cuts included)."""
+    from snapkv import cpu_attention
+    from snapkv.generation import run_forward
+
+    models = {impl: build_tiny(name, attn_implementation=impl).to(torch.bfloat16)
+              for impl in ("sdpa", cpu_attention.NAME)}
+    cache = prefill(models["sdpa"], random_ids(PROMPT_LENGTH, 5), None)
+    tokens = list(answer(models["sdpa"], cache, random_ids(6, 6), per_question=Cut(24, 8), max_new_tokens=6))
+    fallbacks = []
+    sdpa = cpu_attention.sdpa_attention_forward
+    monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: fallbacks.append(1) or sdpa(*a, **k))
+    for impl, model in models.items():
+        working = cache.to_dynamic_cache(model.config)
+        logits = []
+        for step, token in enumerate(tokens):
+            position = torch.tensor([[PROMPT_LENGTH + step]])
+            logits.append(run_forward(model, torch.tensor([[token]]), working, position).float())
+        models[impl] = torch.stack(logits)
+    assert not fallbacks  # every decoded step of the snapkv model took the matmul path
+    difference = (models["sdpa"] - models[cpu_attention.NAME]).abs().max()
+    assert difference < 0.05 * models["sdpa"].abs().max()

@@ -13,7 +13,8 @@ from snapkv.documents import Document
 from snapkv.errors import CacheFileError
 from snapkv.generation import answer, prefill
 from snapkv.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
-from snapkv.quantize import CHANNELS, TOKENS, Scheme, dequantize, quantize
+from snapkv.bits import Bits
+from snapkv.quantize import CHANNELS, TOKENS, Scheme, dequantize, quantize, stored_schemes
 from snapkv.session import Session
 from snapkv.store import CacheStore
 from snapkv.tiers import keep_best, probe_scores
@@ -27,7 +28,7 @@ def random_ids(length: int, seed: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------ quantization
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("axis, group", [(TOKENS, 32), (CHANNELS, 16), (TOKENS, 128)])
 def test_quantization_error_is_within_half_a_step(bits, axis, group):
     torch.manual_seed(bits)
@@ -50,6 +51,41 @@ def test_quantization_packs_every_code_exactly():
     q = quantize(levels, Scheme(4, CHANNELS, 16))
     assert torch.equal(q.scale.float(), torch.ones(2, 4, 1)) and torch.equal(dequantize(q), levels)
     assert q.packed[0, 0, 0].tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]  # low nibble first
+
+
+def test_three_bit_codes_pack_eight_to_three_bytes():
+    levels = torch.arange(8, dtype=torch.float32).repeat(2, 3, 2)  # (2, 3, 16): each group 0..7 twice
+    q = quantize(levels, Scheme(3, CHANNELS, 16))
+    assert torch.equal(dequantize(q), levels) and q.packed.shape[-1] == 6
+    # 0..7 little-endian, 3 bits each: 0b111_110_101_100_011_010_001_000 = 0xFAC688
+    assert q.packed[0, 0, 0, :3].tolist() == [0x88, 0xC6, 0xFA]
+
+
+def test_the_rotation_is_undone_and_evens_out_an_outlier_channel():
+    """Hadamard-rotated storage restores the same vectors (the rotation is orthonormal and its own inverse) and,
+    where one channel holds an outlier, rounds per token with far less error than without the rotation."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 64)
+    x[..., 5] *= 40  # one outlier channel: a per-token group's range is set by it
+    plain, rotated = Scheme(4, CHANNELS, 64), Scheme(4, CHANNELS, 64, rotated=True)
+    error = {s.rotated: float((dequantize(quantize(x, s)) - x).pow(2).mean()) for s in (plain, rotated)}
+    assert error[True] < 0.5 * error[False]
+    assert torch.allclose(dequantize(quantize(x, Scheme(8, CHANNELS, 64, rotated=True))), x, atol=0.5)
+    assert Scheme.from_dict(rotated.to_dict()) == rotated and Scheme.from_dict(plain.to_dict()) == plain
+    with pytest.raises(ValueError, match="rotation"):
+        Scheme.from_dict({**rotated.to_dict(), "rotation": "random"})
+
+
+def test_stored_bits_read_as_one_number_or_keys_over_values():
+    assert Bits.parse("4/3") == Bits(4, 3) and str(Bits(4, 3)) == "4/3" and Bits(4, 3).to_json() == "4/3"
+    assert Bits.parse(8) == 8 and Bits.parse("8") == Bits(8, 8) and Bits(8).to_json() == 8
+    assert {Bits(16): "a"}[16] == "a" and Bits(4, 3) != 4
+    for bad in ("5", "4/16", "4/3/2", "four", True):
+        with pytest.raises(ValueError):
+            Bits.parse(bad)
+    keys, values = stored_schemes(Bits(4, 3), 64)
+    assert (keys.bits, keys.axis, keys.rotated, values.bits, values.axis, values.group) == (4, TOKENS, True, 3, CHANNELS, 64)
+    assert not any(s.rotated for s in stored_schemes(Bits(8), 64))  # 8 bits: KIVI's plain groups of 32
 
 
 # ------------------------------------------------------------------------------------------ probes
@@ -138,12 +174,12 @@ def test_derived_tier_equals_a_built_one(tiny_loaded):
 
 # ------------------------------------------------------------------------------------------ files
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2])
+@pytest.mark.parametrize("bits", [16, 8, 4, 2, "4/3"])
 def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tmp_path, bits):
     settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_method="reconstruction", store_bits=bits)
     session = Session(tiny_loaded, settings, store=CacheStore(tmp_path))
     built = session.prepare(DOCUMENT)
-    assert built.cache.tier.bits == bits and built.cache.payload is not None
+    assert built.cache.tier.bits == Bits.parse(bits) and built.cache.payload is not None
     reloaded = session.prepare(DOCUMENT)
     assert reloaded.hit
     for a, b in zip(built.cache.keys + built.cache.values + built.cache.positions,
@@ -155,6 +191,7 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
         list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
     metadata = read_metadata(built.path)
     assert metadata["version"] == "2.0" and metadata["tier"]["bits"] == bits
+    assert (metadata["storage"].get("keys", {}).get("rotation") == "hadamard") == (Bits.parse(bits).keys < 8)
     assert metadata["tier"]["cut"]["method"] == "reconstruction" and metadata["tier"]["cut"]["keep"] == 0.5
     assert metadata["storage"]["bits"] == bits and metadata["document_span"] == [built.cache.document.start,
                                                                                    built.cache.document.stop]
@@ -162,12 +199,13 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
 
 def test_fewer_bits_make_smaller_files(tiny_loaded, tmp_path):
     sizes = {}
-    for bits in (16, 8, 4, 2):
+    for bits in (16, 8, 4, "4/3", 2):
         session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, store_keep=None, store_bits=bits),
                           store=CacheStore(tmp_path))
         sizes[bits] = session.prepare(DOCUMENT).file_bytes
     # the KV shrinks with the bits; ids, masks, scales and the header stay
     assert sizes[16] > 1.6 * sizes[8] and sizes[8] > 1.4 * sizes[4] > 1.4 * 1.2 * sizes[2]
+    assert sizes[4] > sizes["4/3"] > sizes[2]
 
 
 def test_an_fp32_run_writes_16_bits(tiny_loaded, tmp_path):
