@@ -39,10 +39,6 @@ class Bits:
             raise ValueError(f"stored bits are a number (8) or KEYS/VALUES (4/3), not {text!r}")
         return cls(*(int(part) for part in parts))
 
-    @property
-    def average(self) -> float:
-        return (self.keys + self.values) / 2
-
     def to_json(self) -> "int | str":
         return self.keys if self.keys == self.values else str(self)
 

@@ -35,12 +35,12 @@ import numpy as np
 import torch
 
 from .atomic import write_atomically
+from .bits import Bits
 from .cache import CompressedCache
 from .config import Cut, Tier, mode_of
 from .documents import Source
 from .errors import CacheFileError, ConfigError, IncompatibleCacheError
 from .paths import CACHE_SUFFIX
-from .bits import Bits
 from .quantize import Quantized, Scheme, dequantize
 
 FORMAT_NAME = "snapkv-cache"
@@ -107,7 +107,8 @@ def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict
         tensors.update(_stored_parts(f"layers.{index}.keys", keys))
         tensors.update(_stored_parts(f"layers.{index}.values", values))
     keys, values = cache.payload[0]
-    storage = {"bits": cache.tier.bits.to_json(), "head_dim": cache.keys[0].shape[-1], "kv_heads": cache.keys[0].shape[0]}
+    storage = {"bits": cache.tier.bits.to_json(), "head_dim": cache.keys[0].shape[-1],
+               "kv_heads": cache.keys[0].shape[0]}
     if isinstance(keys, Quantized):
         storage.update(keys=keys.scheme.to_dict(), values=values.scheme.to_dict())
     else:
@@ -295,9 +296,10 @@ def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> lis
             for i in range(layers)]
 
 
-def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str):
+def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str,
+                 bits: Bits):
     """A layer's keys or values as stored: a 16-bit tensor, or Quantized (its shapes checked)."""
-    if Bits.parse(storage["bits"]) == 16:
+    if bits == 16:
         part = tensors[name]
         if part.dtype not in (torch.float16, torch.bfloat16):
             raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
@@ -340,7 +342,7 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         except ValueError as error:
             raise CacheFileError(f"{path}: damaged cache (layer {index}: {error})") from error
         shape = (kv_heads, positions.shape[1], head_dim)
-        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind)
+        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
                        for kind in ("keys", "values"))
         restored = [part if isinstance(part, torch.Tensor) else dequantize(part) for part in stored]
         for part in stored:

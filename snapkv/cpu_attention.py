@@ -28,6 +28,12 @@ def _plain_decode(query: torch.Tensor, key: torch.Tensor, attention_mask, dropou
             and not kwargs.get("output_attentions") and all(kwargs.get(name) is None for name in UNSUPPORTED))
 
 
+def decodes_by_matmuls(model, keys: torch.Tensor) -> bool:
+    """Whether `model`, decoding against cached `keys`, takes this module's matmul path."""
+    return (getattr(model.config, "_attn_implementation", None) == NAME and keys.device.type == "cpu"
+            and keys.dtype in SIXTEEN_BITS)
+
+
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       **kwargs) -> tuple[torch.Tensor, None]:

@@ -195,8 +195,8 @@ def answer(
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
     presized: after the question pass, each layer's cache is copied once into a buffer with room for the
-    answer and every token written in place (snapkv.presized); None where that pays (presize_pays: not on
-    CPU in 16 bits); False appends by concatenation, as
+    answer and every token written in place (snapkv.presized); None where that pays (presize_pays: not
+    when decoding by snapkv's CPU matmul attention); False appends by concatenation, as
     transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
     decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
     (snapkv.compiled); the eager step otherwise, or if compiling fails.
@@ -216,9 +216,10 @@ def answer(
     with compressing(model, plan) if plan else nullcontext():
         logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
     static = None
+    write_in_place = presized if presized is not None else presize_pays(model, working)
     if decoder is not None and max_new_tokens > 1 and decoder.qualifies(working):
         static = decoder.static_copy(working, max_new_tokens - 1)
-    elif max_new_tokens > 1 and (presized if presized is not None else presize_pays(working)):
+    elif max_new_tokens > 1 and write_in_place:
         presize(working, max_new_tokens - 1)
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
@@ -235,7 +236,7 @@ def answer(
                 working = None  # the static copy holds everything now: one cache in memory, not two
                 continue
             static = None  # compiling failed before anything was written: go on eagerly
-            if presized if presized is not None else presize_pays(working):
+            if write_in_place:
                 presize(working, max_new_tokens - 1 - step)
         logits = run_forward(
             model, torch.tensor([[token]], device=device), working, torch.tensor([[position]], device=device)

@@ -52,14 +52,16 @@ class PresizedLayer(DynamicLayer):
         self._filled = self.keys.shape[-2]
 
 
-def presize_pays(cache: DynamicCache) -> bool:
-    """Whether writing in place beats concatenation for this cache: not on CPU in 16 bits, where decoding
-    attends by plain matmuls (snapkv.cpu_attention), which copy a view of a larger buffer whole on every
+def presize_pays(model, cache: DynamicCache) -> bool:
+    """Whether writing in place beats concatenation for this cache: not where the model decodes by plain
+    matmuls (snapkv.cpu_attention: on CPU in 16 bits), which copy a view of a larger buffer whole on every
     token; measured at 7k tokens (benchmarks/decode_engines.py, bf16): concatenation 63.0 against 85.7
     ms/token for the full cache, 40.4 against 45.2 for SnapKV 1024. Elsewhere (fp32 on CPU: 99.6 against
     117.1 for the full cache; GPUs) sdpa reads the view as it is."""
+    from . import cpu_attention
+
     keys = next((layer.keys for layer in cache.layers if layer.is_initialized), None)
-    return keys is None or keys.device.type != "cpu" or keys.dtype not in (torch.bfloat16, torch.float16)
+    return keys is None or not cpu_attention.decodes_by_matmuls(model, keys)
 
 
 def presize(cache: DynamicCache, room: int) -> None:

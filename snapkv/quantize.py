@@ -54,7 +54,7 @@ class Scheme:
         return (shape[0], other, groups, self.group * self.bits // 8), (shape[0], other, groups)
 
 
-GROUP = 32  # KIVI's group size; 128-token key groups (and a head's channels for values) lost needles at 4 bits
+GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide value groups) lost needles at 4 bits
 
 
 # Below 8 bits, rotated, keys per channel over 128 tokens and values per token over the head: measured on

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from .cachefile import FORMAT_VERSION, IDENTITY_FIELDS, SUFFIX, read_metadata
-from .config import Cut
 from .bits import Bits
+from .config import Cut
 from .errors import SnapKVError
 from .paths import snapkv_home
 
