@@ -11,17 +11,14 @@ token against concat's (greedy). The engines take turns, --repeats rounds, media
     .venv/bin/python benchmarks/decode_engines.py --tokens 7k --budget 1024
 """
 
-import argparse
 import statistics
 import time
 
+from decode_options import decode_parser
+
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", default="7k")
-    parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--decode-tokens", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = decode_parser(__doc__)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has bf16 units), float32, bfloat16")
     args = parser.parse_args()

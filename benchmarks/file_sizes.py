@@ -28,6 +28,9 @@ TIERS = {
     "pseudo-question 70%, 4-bit": replace(HALF, store_keep=0.7),
     "pseudo-question 50%, 4-bit": replace(HALF, store_method="pseudo-question"),
     "whole prompt, 4-bit": replace(DEFAULTS, store_bits=4),
+    "whole prompt, 4/3-bit": replace(DEFAULTS, store_bits="4/3"),
+    "whole prompt, 4/2-bit, 20% at 4-bit": replace(DEFAULTS, store_bits="4/2+20%@4"),
+    "whole prompt, 3/2-bit, 20% at 8/4-bit": replace(DEFAULTS, store_bits="3/2+20%@8/4"),
     "reconstruction 50%, 4-bit": replace(HALF, store_method="reconstruction"),
     "snapkv document window 50%, 4-bit": replace(HALF, store_method="snapkv"),
     "key-norm 50%, 4-bit": replace(HALF, store_method="key-norm"),
@@ -37,6 +40,7 @@ TIERS = {
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="2k,4k,7k")
+    parser.add_argument("--tiers", default="", help="only the tiers whose name holds one of these, comma-separated")
     args = parser.parse_args()
     torch.set_num_threads(2)
     loaded = load_model()
@@ -52,6 +56,8 @@ def main() -> None:
             print(f"{prompt.tokens:>7}  {'full cache, 16-bit':<38}{full.file_bytes / 2**20:>8.1f}{1:>8.1f}x"
                   f"{full.prefill_seconds:>11.2f}{0:>8.2f}{1:>21.2f}x")
             for name, settings in TIERS.items():
+                if args.tiers and not any(part in name for part in args.tiers.split(",")):
+                    continue
                 session = Session(loaded, settings)
                 prepared = session.prepare(prompt, measure=True)
                 session.save(prepared, Path(folder) / "tier.snapkv")

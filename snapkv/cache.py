@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .bits import Bits
 from .config import Tier
-from .quantize import dequantize, quantize, stored_schemes, storage_dtype
+from .quantize import dequantize, quantize, quantize_mixed, stored_schemes, storage_dtype
 
 
 @dataclass
@@ -23,7 +23,7 @@ class CompressedCache:
                         a saved file's metadata is written from it
     document_span:      where the document sits in the prompt (None: all of it)
     payload:            per layer, (keys, values) as a file stores them (16-bit tensors, or
-                        snapkv.quantize.Quantized); keys and values above are these, restored. None until
+                        snapkv.quantize.Quantized or Mixed); keys and values above are these, restored. None until
                         the cache is rounded to its stored precision (at_precision)
     """
 
@@ -125,22 +125,33 @@ class CompressedCache:
             positions=[p.to(device) for p in self.positions],
         )
 
-    def at_precision(self, bits: "Bits | int") -> "CompressedCache":
+    def at_precision(self, bits: "Bits | int", sharp: list[torch.Tensor] | None = None) -> "CompressedCache":
         """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever
         the compute dtype), with that stored form kept as `payload` for the file, so that a cache answers the
-        same before it is saved and after it is loaded."""
+        same before it is saved and after it is loaded.
+
+        sharp: with a sharper share (Bits.share), per layer (kv_heads, kept) bool, the held positions kept in
+        the share's bits (snapkv.tiers.sharper_positions chooses them).
+        """
         bits = Bits.parse(bits)
+        if bool(bits.share) != (sharp is not None):
+            raise ValueError(f"{bits} bits {'need' if bits.share else 'take no'} sharper positions")
         compute = self.keys[0].dtype
         keys, values, payload = [], [], []
         sixteen = storage_dtype(compute, self.keys + self.values) if bits == 16 else None
-        for layer_keys, layer_values in zip(self.keys, self.values):
+        for index, (layer_keys, layer_values) in enumerate(zip(self.keys, self.values)):
             if bits == 16:
                 stored = (layer_keys.to(sixteen), layer_values.to(sixteen))
-                restored = (stored[0].to(compute), stored[1].to(compute))
             else:
-                key_scheme, value_scheme = stored_schemes(bits, layer_keys.shape[-1])
-                stored = (quantize(layer_keys, key_scheme), quantize(layer_values, value_scheme))
-                restored = (dequantize(stored[0], compute), dequantize(stored[1], compute))
+                schemes = stored_schemes(bits.rest, layer_keys.shape[-1])
+                if sharp is None:
+                    stored = tuple(quantize(x, scheme) for x, scheme in zip((layer_keys, layer_values), schemes))
+                else:
+                    sharper = stored_schemes(bits.sharper, layer_keys.shape[-1])
+                    stored = tuple(quantize_mixed(x, sharp[index], high, low) for x, high, low
+                                   in zip((layer_keys, layer_values), sharper, schemes))
+            restored = [part.to(compute) if isinstance(part, torch.Tensor) else dequantize(part, compute)
+                        for part in stored]
             keys.append(restored[0])
             values.append(restored[1])
             payload.append(stored)

@@ -1,24 +1,31 @@
 """The saved-cache file format: one safetensors file, its metadata schema, its validation and digest.
 
-File layout, format 2 (safetensors, never pickle):
+File layout, format 2 and 3 (safetensors, never pickle):
     token_ids                         (original_length,) int32, the prompt
     layers.{i}.kept                   (kv_heads, ceil(original_length / 8)) uint8: bit p % 8 of byte p // 8
                                       is set where position p is kept (every head keeps as many)
     16 bits: layers.{i}.keys, .values (kv_heads, kept, head_dim) float16 or bfloat16, RoPE applied
     2-8 bits: layers.{i}.keys.codes / .scale / .minimum, the same for values: snapkv.quantize.Quantized
                                       (keys grouped along tokens, values along channels)
+    a sharper share (format 3): layers.{i}.keys.sharp_mask (kv_heads, ceil(kept / 8)) uint8, bit j set where
+                                      the j-th held position is in the share, and its parts in their own bits
+                                      as layers.{i}.keys.sharp_codes / .sharp_scale / .sharp_minimum (the
+                                      rest stays in .codes / .scale / .minimum); the same for values
     __metadata__["snapkv"]            JSON, written from the cache it describes (build_metadata):
         format, version               "snapkv-cache", "MAJOR.MINOR"
         model                         identity of the model, tokenizer and template (snapkv.fingerprint)
         tier                          what the file holds: {"cut": the cut that chose its positions or
                                       null, "bits", "truncation"}
-        storage                       {"bits", "dtype" (16 bits), "keys" and "values": quantization schemes}
+        storage                       {"bits", "dtype" (16 bits), "keys" and "values": quantization schemes,
+                                      "sharp_keys" and "sharp_values": those of a sharper share}
         per_question                  the cut made per question when answering (query-aware), or null
         mode                          full | document-window | tier-only | query-aware (snapkv.config.mode_of)
         document_span                 [start, stop) of the document in the prompt
         sources                       the documents, with sha256 (staleness)
         original_length, num_layers, producer, created, payload_sha256
-Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
+A file is written in the oldest format that holds it: 3.0 only with a sharper share, so that snapkv
+versions before it read every other file and refuse these asking for an upgrade. Format 1 (snapkv 0.1:
+positions as int32, keys and values in the model's dtype) is still read.
 
 This module owns the schema: nothing else writes or interprets these keys. The store folder
 (naming, look-up, listing) is snapkv.store; the atomic write is snapkv.atomic.
@@ -41,10 +48,11 @@ from .config import Cut, Tier, mode_of
 from .documents import Source
 from .errors import CacheFileError, ConfigError, IncompatibleCacheError
 from .paths import CACHE_SUFFIX
-from .quantize import Quantized, Scheme, dequantize
+from .quantize import Mixed, Quantized, Scheme, dequantize
 
 FORMAT_NAME = "snapkv-cache"
-FORMAT_VERSION = (2, 0)
+FORMAT_VERSION = (3, 0)  # the newest this snapkv writes and reads
+PLAIN_FORMAT_VERSION = (2, 0)  # what a file without a sharper share is written as
 SUFFIX = CACHE_SUFFIX
 MAX_HEADER_BYTES = 64 * 2**20
 # Identity fields that must match for a saved cache to be reused, with what they mean to a user.
@@ -90,6 +98,12 @@ def _unpack_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def _stored_parts(name: str, part) -> dict[str, torch.Tensor]:
+    if isinstance(part, Mixed):
+        held = part.sharp.shape[1]
+        sharp = part.sharp.nonzero()[:, 1].reshape(part.sharp.shape[0], -1)  # (kv_heads, count), ascending
+        high = {key.replace(f"{name}.", f"{name}.sharp_"): value
+                for key, value in _stored_parts(name, part.high).items()}
+        return {f"{name}.sharp_mask": _pack_mask(sharp, held), **high, **_stored_parts(name, part.low)}
     if isinstance(part, Quantized):
         return {f"{name}.codes": part.packed.cpu().contiguous(), f"{name}.scale": part.scale.cpu().contiguous(),
                 f"{name}.minimum": part.minimum.cpu().contiguous()}
@@ -109,7 +123,10 @@ def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict
     keys, values = cache.payload[0]
     storage = {"bits": cache.tier.bits.to_json(), "head_dim": cache.keys[0].shape[-1],
                "kv_heads": cache.keys[0].shape[0]}
-    if isinstance(keys, Quantized):
+    if isinstance(keys, Mixed):
+        storage.update(keys=keys.low.scheme.to_dict(), values=values.low.scheme.to_dict(),
+                       sharp_keys=keys.high.scheme.to_dict(), sharp_values=values.high.scheme.to_dict())
+    elif isinstance(keys, Quantized):
         storage.update(keys=keys.scheme.to_dict(), values=values.scheme.to_dict())
     else:
         storage["dtype"] = str(keys.dtype).replace("torch.", "")
@@ -123,9 +140,10 @@ def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_que
 
     from . import __version__
 
+    version = FORMAT_VERSION if cache.tier.bits.share else PLAIN_FORMAT_VERSION
     return {
         "format": FORMAT_NAME,
-        "version": f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}",
+        "version": f"{version[0]}.{version[1]}",
         "model": model or {},
         "tier": cache.tier.to_dict(),
         "per_question": per_question.to_dict() if per_question else None,
@@ -209,7 +227,7 @@ def read_metadata(path: Path) -> dict:
         raise CacheFileError(f"{path}: unreadable format version {metadata.get('version')!r}") from error
     if major > FORMAT_VERSION[0]:
         raise CacheFileError(
-            f"{path}: written by a newer snapkv (cache format {major}.{minor}; this snapkv reads formats 1.x and "
+            f"{path}: written by a newer snapkv (cache format {major}.{minor}; this snapkv reads formats 1.x to "
             f"{FORMAT_VERSION[0]}.x). Upgrade snapkv, or rebuild the cache with this version."
         )
     if major == 1:
@@ -296,25 +314,45 @@ def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> lis
             for i in range(layers)]
 
 
-def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str,
-                 bits: Bits):
-    """A layer's keys or values as stored: a 16-bit tensor, or Quantized (its shapes checked)."""
-    if bits == 16:
-        part = tensors[name]
-        if part.dtype not in (torch.float16, torch.bfloat16):
-            raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
-        return part
+def _quantized_part(path: Path, tensors: dict, name: str, prefix: str, shape: tuple[int, int, int], storage: dict,
+                    kind: str) -> Quantized:
+    """One Quantized tensor of a file (`name` + .codes etc., or .sharp_codes etc.), its shapes checked."""
     try:
         scheme = Scheme.from_dict(storage[kind])
     except (KeyError, TypeError, ValueError) as error:
         raise CacheFileError(f"{path}: damaged metadata (storage of {kind}: {error})") from error
-    codes, scale, minimum = (tensors[f"{name}.{part}"] for part in ("codes", "scale", "minimum"))
+    codes, scale, minimum = (tensors[f"{name}.{prefix}{part}"] for part in ("codes", "scale", "minimum"))
     codes_shape, scale_shape = scheme.stored_shapes(shape)
     if (codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or tuple(scale.shape) != scale_shape
             or tuple(minimum.shape) != scale_shape or scale.dtype != torch.float16 or minimum.dtype != torch.float16):
         raise CacheFileError(f"{path}: damaged cache ({name}: shapes {tuple(codes.shape)}, {tuple(scale.shape)}, "
                              f"{tuple(minimum.shape)} do not fit {shape} at {scheme.bits} bits)")
     return Quantized(codes, scale, minimum, shape, scheme)
+
+
+def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str,
+                 bits: Bits):
+    """A layer's keys or values as stored: a 16-bit tensor, Quantized, or Mixed (its shapes checked)."""
+    if bits == 16:
+        part = tensors[name]
+        if part.dtype not in (torch.float16, torch.bfloat16):
+            raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
+        return part
+    if not bits.share:
+        return _quantized_part(path, tensors, name, "", shape, storage, kind)
+    heads, held, head_dim = shape
+    mask = tensors[f"{name}.sharp_mask"]
+    if mask.dtype != torch.uint8 or tuple(mask.shape) != (heads, (held + 7) // 8):
+        raise CacheFileError(f"{path}: damaged cache ({name} sharper mask {tuple(mask.shape)})")
+    try:
+        chosen = _unpack_mask(mask, held)  # (kv_heads, count)
+    except ValueError as error:
+        raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
+    sharp = torch.zeros(heads, held, dtype=torch.bool).scatter_(1, chosen, True)
+    count = chosen.shape[1]
+    return Mixed(sharp, _quantized_part(path, tensors, name, "sharp_", (heads, count, head_dim), storage,
+                                        f"sharp_{kind}"),
+                 _quantized_part(path, tensors, name, "", (heads, held - count, head_dim), storage, kind))
 
 
 def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int) -> list[tuple]:
@@ -328,6 +366,8 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
     if bits is None or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
         raise CacheFileError(f"{path}: damaged metadata (storage {storage!r})")
     parts = ("",) if bits == 16 else (".codes", ".scale", ".minimum")
+    if bits.share:
+        parts += (".sharp_mask", ".sharp_codes", ".sharp_scale", ".sharp_minimum")
     expected = {"token_ids"} | {f"layers.{i}.{kind}{part}" for i in range(layers) for kind in ("keys", "values")
                                 for part in parts} | {f"layers.{i}.kept" for i in range(layers)}
     if set(tensors) != expected:
@@ -345,8 +385,10 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
                        for kind in ("keys", "values"))
         restored = [part if isinstance(part, torch.Tensor) else dequantize(part) for part in stored]
-        for part in stored:
-            if isinstance(part, Quantized) and not (_all_finite(part.scale) and _all_finite(part.minimum)):
+        quantized = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))
+                     if isinstance(piece, Quantized)]
+        for part in quantized:
+            if not (_all_finite(part.scale) and _all_finite(part.minimum)):
                 raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
         found.append((restored[0], restored[1], positions, stored))
     return found

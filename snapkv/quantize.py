@@ -6,7 +6,9 @@ KIVI's axes: keys grouped along tokens (per channel, as their outliers sit in a 
 along channels (per token). A scheme may first rotate each head's vectors by an orthonormal (block) Hadamard
 matrix, as QuaRot (arXiv 2404.00456) does: the rotation spreads outlier channels over all channels, so the
 groups hold evener values and round with less error; it is undone after dequantizing, so the model never sees
-it. Pure tensor functions; what a file stores is snapkv.cachefile's business.
+it. A Mixed tensor keeps a share of each head's positions (the ones the model needs most) in more bits than
+the rest, as MiKV (arXiv 2402.18096) does. Pure tensor functions; what a file stores is snapkv.cachefile's
+business.
 """
 
 from dataclasses import dataclass
@@ -117,6 +119,48 @@ class Quantized:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.minimum))
 
 
+@dataclass
+class Mixed:
+    """A (kv_heads, tokens, head_dim) tensor with a sharper share of each head's tokens in more bits.
+
+    sharp: (kv_heads, tokens) bool, True at the sharper tokens, as many in every head
+    high:  Quantized (kv_heads, sharper tokens, head_dim), those tokens in order
+    low:   Quantized (kv_heads, the other tokens, head_dim), the rest in order
+    """
+
+    sharp: torch.Tensor
+    high: Quantized
+    low: Quantized
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        heads, tokens = self.sharp.shape
+        return heads, tokens, self.high.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        """As stored: both parts and the mask at one bit per position."""
+        heads, tokens = self.sharp.shape
+        return self.high.nbytes + self.low.nbytes + heads * (-(-tokens // 8))
+
+
+def _token_index(chosen: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """(kv_heads, tokens) bool, as many True per head -> (kv_heads, count, head_dim) int64 gather index."""
+    heads = chosen.shape[0]
+    count = int(chosen[0].sum()) if heads else 0
+    return chosen.nonzero()[:, 1].reshape(heads, count, 1).expand(heads, count, head_dim)
+
+
+def quantize_mixed(x: torch.Tensor, sharp: torch.Tensor, high: "Scheme", low: "Scheme") -> Mixed:
+    """x (kv_heads, tokens, head_dim); sharp (kv_heads, tokens) bool with as many True per head: those tokens
+    quantized with `high`, the rest with `low`, each part as a tensor of its own."""
+    if sharp.shape != x.shape[:2] or bool((sharp.sum(dim=1) != sharp[:1].sum()).any()):
+        raise ValueError("a sharper share must pick as many tokens in every head")
+    head_dim = x.shape[2]
+    return Mixed(sharp, quantize(x.gather(1, _token_index(sharp, head_dim)), high),
+                 quantize(x.gather(1, _token_index(~sharp, head_dim)), low))
+
+
 def _grouped(x: torch.Tensor, axis: int, group: int) -> torch.Tensor:
     """(kv_heads, tokens, head_dim) -> (kv_heads, other, groups, group), the axis padded with its last value."""
     x = x.transpose(axis, -1) if axis != x.dim() - 1 else x
@@ -182,8 +226,15 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
     return Quantized(_pack(q.to(torch.uint8), scheme.bits), scale, minimum, tuple(x.shape), scheme)
 
 
-def dequantize(quantized: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(kv_heads, tokens, head_dim) in `dtype`."""
+    if isinstance(quantized, Mixed):
+        head_dim, device = quantized.shape[2], quantized.high.packed.device
+        out = torch.empty(quantized.shape, dtype=dtype, device=device)
+        sharp = quantized.sharp.to(device)
+        for chosen, part in ((sharp, quantized.high), (~sharp, quantized.low)):
+            out.scatter_(1, _token_index(chosen, head_dim), dequantize(part, dtype))
+        return out
     q = _unpack(quantized.packed, quantized.scheme.bits).float()
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)
     x = _ungrouped(x, quantized.shape, quantized.scheme.axis)

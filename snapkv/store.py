@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .cachefile import FORMAT_VERSION, IDENTITY_FIELDS, SUFFIX, read_metadata
+from .cachefile import PLAIN_FORMAT_VERSION, IDENTITY_FIELDS, SUFFIX, read_metadata
 from .bits import Bits
 from .config import Cut
 from .errors import SnapKVError
@@ -28,7 +28,7 @@ def cache_key(identity: dict, prompt_ids: torch.Tensor, stored: Cut | None, bits
         "prompt_sha256": ids_digest,
         "stored": stored.to_dict() if stored else None,
         "bits": Bits.parse(bits).to_json(),
-        "format_major": FORMAT_VERSION[0],
+        "format_major": PLAIN_FORMAT_VERSION[0],  # format 3 added a sharper share, which the bits above name
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:32]
 

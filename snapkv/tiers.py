@@ -3,6 +3,9 @@
     build_tier(...)    prefill -> (the cut, during the prefill or after it by probes) -> stored precision
     derive_tier(...)   the same from a whole prompt's cache already at hand (no new prefill)
 
+A stored precision with a sharper share (Bits "4/2+20%@4") ranks each head's held positions by the
+pseudo-question probes (sharper_positions) and keeps the best share in more bits.
+
 A cut by a probing method (snapkv.methods: reconstruction, pseudo-question, key-norm) needs the whole
 prompt's cache: each probe is fed after the prompt with a working copy of the cache attached, and a hook
 on every attention layer scores the cached keys with the probe's queries, then drops the probe's own
@@ -22,7 +25,8 @@ from .cache import CompressedCache
 from .compress import cache_argument
 from .config import Cut, Tier
 from .generation import chunked_prefill, model_device, prefill, run_forward
-from .methods import Method, Probe
+from .bits import Bits
+from .methods import Method, Probe, PseudoQuestion
 from .scoring import gather_positions
 
 Progress = Callable[[int, int], None]
@@ -42,13 +46,14 @@ def _score_layer_hook(method: Method, state: _ProbeScores, module, args, kwargs,
     index = module.layer_idx
     layer = cache.layers[index]
     n, probe = state.lengths[index], state.probe
+    scored = range(probe.scored.start, min(probe.scored.stop, n))  # a cut cache holds fewer than the prompt
     hidden_states = args[0] if args else kwargs["hidden_states"]  # (1, p, hidden): the probe's tokens
     queries = window_queries(module, hidden_states, kwargs["position_embeddings"])  # (1, q_heads, p, head_dim)
     keys = layer.keys  # (1, kv_heads, n + p, head_dim)
-    subset = torch.cat([keys[:, :, probe.sinks.start:probe.sinks.stop], keys[:, :, probe.scored.start:probe.scored.stop],
+    subset = torch.cat([keys[:, :, probe.sinks.start:probe.sinks.stop], keys[:, :, scored.start:scored.stop],
                         keys[:, :, n:]], dim=2)
     scores = method.score(queries, subset, module.scaling)[0, :, len(probe.sinks):]  # (kv_heads, len(scored))
-    best = state.scores[index][:, probe.scored.start:probe.scored.stop]
+    best = state.scores[index][:, scored.start:scored.stop]
     torch.maximum(best, scores.to(best.device), out=best)
     # the probe's own keys are not needed by later layers of this forward: drop them now
     layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
@@ -118,13 +123,48 @@ def keep_best(cache: CompressedCache, scores: list[torch.Tensor], cut: Cut, prot
     return replace(cache, keys=keys, values=values, positions=positions, tier=replace(cache.tier, cut=cut))
 
 
+# What ranks the positions of a sharper share: a generic question and the document's tail, as the
+# pseudo-question tier does (measured on the embedded model, README "What is saved").
+SHARPENING = PseudoQuestion()
+
+
+@torch.inference_mode()
+def sharper_positions(model, prompter, cache: CompressedCache, share: float,
+                      on_step: Progress | None = None) -> list[torch.Tensor]:
+    """Per layer (kv_heads, held) bool: each head's `share` of held positions the probes say the model needs
+    most, the template around the document first. Works on a cut cache as on a whole one (the probes score
+    what it holds, in order)."""
+    probes = SHARPENING.probes(prompter, cache.token_ids, cache.document)
+    scores = probe_scores(model, cache, SHARPENING, probes, on_step)
+    document = cache.document
+    found = []
+    for layer_scores, positions in zip(scores, cache.positions):
+        heads, held = positions.shape
+        outside = (positions < document.start) | (positions >= document.stop)  # (kv_heads, held)
+        ranked = layer_scores.masked_fill(outside.to(layer_scores.device), float("inf"))
+        chosen = torch.zeros(heads, held, dtype=torch.bool, device=positions.device)
+        count = round(share * held)
+        if count:
+            chosen.scatter_(1, ranked.topk(count, dim=-1).indices.to(positions.device), True)
+        found.append(chosen)
+    return found
+
+
+def at_stored_precision(model, prompter, cache: CompressedCache, bits: "Bits | int",
+                        on_step: Progress | None = None) -> CompressedCache:
+    """`cache` rounded to `bits`, its sharper share (if any) ranked by the probes."""
+    bits = Bits.parse(bits)
+    sharp = sharper_positions(model, prompter, cache, bits.share, on_step) if bits.share else None
+    return cache.at_precision(bits, sharp)
+
+
 def _protected(cache: CompressedCache) -> list[range]:
     """The positions around the document (template, instruction): kept whatever the scores say."""
     document = cache.document
     return [range(0, document.start), range(document.stop, cache.original_length)]
 
 
-def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: int,
+def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: "Bits | int",
                 on_step: Progress | None = None, scores_memo: dict | None = None) -> CompressedCache:
     """The stored tier `cut` (sized for this prompt already, or None) of a whole-prompt cache, in `bits` bits.
 
@@ -142,10 +182,10 @@ def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: 
             if scores_memo is not None:
                 scores_memo[method] = scores
         whole = keep_best(whole, scores, cut, _protected(whole))
-    return whole.at_precision(bits)
+    return at_stored_precision(model, prompter, whole, bits, on_step)
 
 
-def build_tier(model, prompter, context_ids: torch.Tensor, document: range, cut: Cut | None, bits: int,
+def build_tier(model, prompter, context_ids: torch.Tensor, document: range, cut: Cut | None, bits: "Bits | int",
                tier: Tier, on_layer: Progress | None = None, on_step: Progress | None = None,
                timings: dict | None = None, on_chunk: Progress | None = None) -> CompressedCache:
     """Prefill a prompt into the cache that is stored: cut during the prefill (snapkv's document window) or
@@ -169,7 +209,8 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, cut:
         # a file gives the same cache
         cache = derive_tier(model, prompter, cache.at_precision(16), cut, bits, on_step)
     else:
-        cache = cache.at_precision(bits)
+        # through 16 bits first, as a whole 16-bit file of it would hold it (a no-op for a 16-bit model)
+        cache = at_stored_precision(model, prompter, cache.at_precision(16), bits, on_step)
     if timings is not None:
         timings.update(prefill_seconds=prefilled - started, tier_seconds=time.perf_counter() - prefilled)
     return cache

@@ -47,7 +47,7 @@ def compress(
     from snapkv.documents import read_sources
     from snapkv.session import Session
 
-    from .render import load_with_status, prefill_progress, prepare_with_progress, stderr_console
+    from .render import load_with_status, prefill_progress, prepare_with_progress, scoring_label, stderr_console
 
     if output.suffix != SUFFIX:
         raise ConfigError(f"--output must end in {SUFFIX}, got {output}")
@@ -70,7 +70,7 @@ def compress(
         if whole.tier.cut is not None or whole.tier.bits != 16:
             raise ConfigError(f"{source} holds {whole.tier.describe()}: only a file of the whole prompt in 16 bits "
                               "can be cut again without a prefill. Compress the document itself.")
-        with prefill_progress(err, whole.tokens, settings.store_method if settings else None) as (_, on_step):
+        with prefill_progress(err, whole.tokens, scoring_label(settings)) as (_, on_step):
             prepared = session.derive(whole, on_step=on_step)
     else:
         prepared = prepare_with_progress(err, session, document)

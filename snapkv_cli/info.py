@@ -63,6 +63,15 @@ def info(
         raise IncompatibleCacheError(f"{file} is stale: " + "; ".join(stale) + ". Build a new cache from the document.")
 
 
+def _bits_described(bits) -> str:
+    from snapkv.bits import Bits
+
+    try:
+        return Bits.parse(bits).describe()
+    except ValueError:
+        return f"{bits} bits (unknown)"
+
+
 def show(data: dict) -> None:
     from rich.table import Table
 
@@ -74,7 +83,8 @@ def show(data: dict) -> None:
     model = data.get("model", {})
     table.add_row("file", inert(f"{data['path']} ({data['file_bytes'] / 2**20:.1f} MiB, format {data['version']})"))
     storage = data.get("storage", {})
-    stored = storage.get("dtype") if storage.get("bits") == 16 else f"{storage.get('bits')}-bit"
+    bits = _bits_described(storage.get("bits", 16))
+    stored = storage.get("dtype") if storage.get("bits") == 16 else bits
     table.add_row("model", inert(f"{model.get('name')} ({model.get('model_type')}); stored {stored}"))
     for source in data.get("sources", []):
         pages = f", {source['pages']} pages" if source.get("pages") else ""
@@ -87,7 +97,7 @@ def show(data: dict) -> None:
     table.add_row("answers", inert(f"per question: {data['answered_with']}"))
     table.add_row("KV", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB for the "
                         f"full cache in 16 bits ({data['kv_bytes_full'] / max(data['kv_bytes'], 1):.1f}x)")
-    layers = [f"{index}: {kept} x {storage.get('bits', 16)}-bit, {size / 2**10:.0f} KiB" for index, (kept, size)
+    layers = [f"{index}: {kept} x {bits}, {size / 2**10:.0f} KiB" for index, (kept, size)
               in enumerate(zip(data["kept_per_layer"], data["bytes_per_layer"]))]
     table.add_row("per layer", "; ".join(layers))
     producer = data.get("producer", {})

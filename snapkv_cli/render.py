@@ -107,10 +107,20 @@ def prefill_progress(err: Console, tokens: int, scoring: str | None = None):
     def on_step(done: int, total: int) -> None:
         if "scoring" not in tasks:
             tasks["scoring"] = progress.add_task(f"Choosing the stored tier ({scoring})", total=total, unit="", rate="")
-        progress.update(tasks["scoring"], completed=done, unit=f"pass {done}/{total}")
+        progress.update(tasks["scoring"], completed=done, total=total, unit=f"pass {done}/{total}")
 
     with progress:
         yield on_layer, on_step
+
+
+def scoring_label(settings) -> str | None:
+    """What the passes after the prefill choose: the stored tier's positions, its sharper share, or both."""
+    if settings is None:
+        return None
+    parts = [str(settings.store_method)] if settings.stored_tier is not None else []
+    if settings.store_bits.share:
+        parts.append(f"the {round(settings.store_bits.share * 100)}% kept in {settings.store_bits.sharper}-bit")
+    return ", then ".join(parts) or None
 
 
 def prepare_with_progress(err: Console, session: Session, document) -> PreparedDocument:
@@ -119,9 +129,7 @@ def prepare_with_progress(err: Console, session: Session, document) -> PreparedD
     if prompt.truncation:
         warn(err, f"the document was cut by {prompt.truncation.tokens} tokens ({prompt.truncation.side}) "
                   "to fit the model's context")
-    settings = session.settings
-    scoring = settings.store_method if settings is not None and settings.stored_tier is not None else None
-    with prefill_progress(err, prompt.tokens, scoring) as (on_layer, on_step):
+    with prefill_progress(err, prompt.tokens, scoring_label(session.settings)) as (on_layer, on_step):
         prepared = session.prepare(prompt, on_layer=on_layer, on_step=on_step)
     for note in prepared.notes:
         warn(err, note)

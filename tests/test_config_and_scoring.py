@@ -34,7 +34,8 @@ def test_which_cut_at_prefill_and_which_per_question():
     query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True, store_keep=0.7)
     assert query_aware.stored_tier == Cut(None, 32, PseudoQuestion(kernel=7), keep=0.7)
     assert query_aware.mode == "query-aware"
-    assert DEFAULTS.stored_tier is None and DEFAULTS.store_bits == 8  # the default file: the whole prompt, 8-bit
+    # the default file: the whole prompt, its sharper 20% at 8/4 bits, the rest at 3/2
+    assert DEFAULTS.stored_tier is None and str(DEFAULTS.store_bits) == "3/2+20%@8/4"
     assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"))
     assert SnapKVConfig(store_keep=None).stored_tier is None  # the whole prompt
     tier = SnapKVConfig(budget=256, query_aware=True, store_keep=None, store_budget=2048,

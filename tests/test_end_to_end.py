@@ -44,5 +44,5 @@ def test_readme_library_example_runs(embedded_home, tmp_path, monkeypatch, capsy
     (tmp_path / "samples").symlink_to(Path(__file__).parent.parent / "samples")
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert "184.6" in printed and "query-aware | whole prompt, 8-bit" in printed
+    assert "184.6" in printed and "query-aware | whole prompt, 3/2-bit, 20% at 8/4-bit" in printed
     assert (tmp_path / "report.snapkv").is_file()

@@ -381,20 +381,29 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
     query, key, value = torch.randn(1, 6, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     allowed = torch.ones(1, 1, 1, 40, dtype=torch.bool)
     allowed[..., :7] = False  # a sliding window's row: the first positions masked
-    for mask in (None, allowed, torch.zeros(1, 1, 1, 40).masked_fill(~allowed, float("-inf"))):
-        expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
+    # a question's few rows with their causal mask (the rows' own keys last)
+    rows = torch.randn(1, 6, 5, 16)
+    causal = torch.ones(5, 40, dtype=torch.bool).tril(diagonal=35).expand(1, 1, 5, 40)
+    cases = [(query, mask) for mask in (None, allowed, torch.zeros(1, 1, 1, 40).masked_fill(~allowed, float("-inf")))]
+    cases += [(rows, mask) for mask in (causal, torch.zeros(1, 1, 5, 40).masked_fill(~causal, float("-inf")))]
+    for queries, mask in cases:  # boolean or additive masks
+        expected, _ = sdpa_attention.sdpa_attention_forward(module, queries, key, value, mask, scaling=0.25)
         calls = []
         monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1))
-        found, _ = cpu_attention.attention_forward(module, *(t.bfloat16() for t in (query, key, value)), mask,
+        found, _ = cpu_attention.attention_forward(module, *(t.bfloat16() for t in (queries, key, value)), mask,
                                                    scaling=0.25)
         monkeypatch.undo()
-        assert not calls and found.shape == expected.shape == (1, 1, 6, 16)
+        assert not calls and found.shape == expected.shape == (1, queries.shape[2], 6, 16)
         assert torch.allclose(found.float(), expected, atol=0.03)
-    # more than one query row, or fp32: sdpa's own kernel
-    for args in ((query.expand(1, 6, 3, 16), key, value), (query, key, value)):
+    # several rows without a mask (sdpa's own causal flag), more than SHORT_QUERY rows, or fp32: sdpa's kernel
+    long_rows = torch.randn(1, 6, cpu_attention.SHORT_QUERY + 1, 16)
+    long_mask = torch.ones(1, 1, long_rows.shape[2], 40, dtype=torch.bool)
+    for args in ((query.expand(1, 6, 3, 16), key, value, None), (long_rows, key, value, long_mask),
+                 (query, key, value, None)):
         calls = []
         monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or (None, None))
-        cpu_attention.attention_forward(module, *(t.bfloat16() if args[0].shape[2] > 1 else t for t in args), None)
+        *tensors, mask = args
+        cpu_attention.attention_forward(module, *(t.bfloat16() if args[0].shape[2] > 1 else t for t in tensors), mask)
         monkeypatch.undo()
         assert calls == [1]
 
@@ -413,13 +422,16 @@ def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch)
     fallbacks = []
     sdpa = cpu_attention.sdpa_attention_forward
     monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: fallbacks.append(1) or sdpa(*a, **k))
+    question = random_ids(6, 6)
     for impl, model in models.items():
         working = cache.to_dynamic_cache(model.config)
-        logits = []
+        # the question's rows over the prompt's cache, then one decoded token at a time
+        logits = [run_forward(model, question.unsqueeze(0), working,
+                              torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)).float()]
         for step, token in enumerate(tokens):
-            position = torch.tensor([[PROMPT_LENGTH + step]])
+            position = torch.tensor([[PROMPT_LENGTH + 6 + step]])
             logits.append(run_forward(model, torch.tensor([[token]]), working, position).float())
         models[impl] = torch.stack(logits)
-    assert not fallbacks  # every decoded step of the snapkv model took the matmul path
+    assert not fallbacks  # the question and every decoded step of the snapkv model took the matmul path
     difference = (models["sdpa"] - models[cpu_attention.NAME]).abs().max()
     assert difference < 0.05 * models["sdpa"].abs().max()

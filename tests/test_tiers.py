@@ -14,10 +14,10 @@ from snapkv.errors import CacheFileError
 from snapkv.generation import answer, prefill
 from snapkv.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
 from snapkv.bits import Bits
-from snapkv.quantize import CHANNELS, TOKENS, Scheme, dequantize, quantize, stored_schemes
+from snapkv.quantize import CHANNELS, TOKENS, Mixed, Scheme, dequantize, quantize, quantize_mixed, stored_schemes
 from snapkv.session import Session
 from snapkv.store import CacheStore
-from snapkv.tiers import keep_best, probe_scores
+from snapkv.tiers import SHARPENING, keep_best, probe_scores, sharper_positions
 
 DOCUMENT = Document(" ".join(f"Entry {i}: the ferry left pier {i * 7 % 13} at {i % 12 + 1} o'clock." for i in range(30)))
 
@@ -86,6 +86,70 @@ def test_stored_bits_read_as_one_number_or_keys_over_values():
     keys, values = stored_schemes(Bits(4, 3), 64)
     assert (keys.bits, keys.axis, keys.rotated, values.bits, values.axis, values.group) == (4, TOKENS, True, 3, CHANNELS, 64)
     assert not any(s.rotated for s in stored_schemes(Bits(8), 64))  # 8 bits: KIVI's plain groups of 32
+
+
+def test_stored_bits_take_a_sharper_share():
+    sharp = Bits.parse("4/2+20%@4")
+    assert (sharp.keys, sharp.values, sharp.share, sharp.sharp) == (4, 2, 0.2, (4, 4))
+    assert str(sharp) == sharp.to_json() == "4/2+20%@4" and Bits.parse(str(sharp)) == sharp
+    assert sharp.rest == Bits(4, 2) and sharp.sharper == 4 and sharp != Bits(4, 2) and sharp != 4
+    assert str(Bits.parse("3+10%@8/4")) == "3+10%@8/4" and Bits(8).sharper is None
+    assert len({Bits.parse("4/2+20%@4"), Bits(4, 2, share=0.2, sharp=(4, 4)), Bits(4, 2)}) == 2
+    for bad, message in [("4/2+0%@4", "1 to 99"), ("4/2+100%@4", "between 1% and 99%"), ("4/2+20@4", "SHARE%@"),
+                         ("4/2+2.5%@4", "1 to 99"), ("4+20%@4", "above the rest"), ("4/2+20%@16", "below 16"),
+                         ("16+20%@8", "below 16"), ("4/2+20%@5", "must be 16, 8")]:
+        with pytest.raises(ValueError, match=message):
+            Bits.parse(bad)
+
+
+def test_a_mixed_tensor_keeps_its_sharper_share_in_more_bits():
+    torch.manual_seed(0)
+    x = torch.randn(2, 300, 64)
+    sharp = torch.zeros(2, 300, dtype=torch.bool)
+    sharp.scatter_(1, torch.rand(2, 300).topk(60, dim=1).indices, True)
+    high, low = Scheme(8, CHANNELS, 32), Scheme(2, CHANNELS, 64, rotated=True)
+    mixed = quantize_mixed(x, sharp, high, low)
+    assert mixed.shape == x.shape and mixed.high.shape == (2, 60, 64) and mixed.low.shape == (2, 240, 64)
+    assert mixed.nbytes == mixed.high.nbytes + mixed.low.nbytes + 2 * 38  # the mask at one bit per position
+    restored = dequantize(mixed)
+    # each part restored in place, exactly as quantizing it alone would
+    assert torch.equal(restored[sharp].reshape(2, 60, 64), dequantize(quantize(x[sharp].reshape(2, 60, 64), high)))
+    assert torch.equal(restored[~sharp].reshape(2, 240, 64), dequantize(quantize(x[~sharp].reshape(2, 240, 64), low)))
+    error = (restored - x).norm(dim=-1) / x.norm(dim=-1)  # (kv_heads, tokens)
+    assert error[sharp].max() < 0.05 < error[~sharp].min()
+    uneven = sharp.clone()
+    uneven[0, (~sharp[0]).nonzero()[0]] = True
+    with pytest.raises(ValueError, match="as many"):
+        quantize_mixed(x, uneven, high, low)
+
+
+def test_sharper_positions_are_the_template_and_the_best_scored(tiny_loaded):
+    whole = Session(tiny_loaded, SnapKVConfig(store_bits=16)).prepare(DOCUMENT).cache
+    chosen = sharper_positions(tiny_loaded.model, tiny_loaded.prompter, whole, 0.3)
+    probes = SHARPENING.probes(tiny_loaded.prompter, whole.token_ids, whole.document)
+    scores = probe_scores(tiny_loaded.model, whole, SHARPENING, probes)
+    document, n = whole.document, whole.original_length
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[document.start:document.stop] = False
+    assert 0.3 * n > outside.sum()  # the share has room for the template and for the document's best
+    for layer_chosen, layer_scores in zip(chosen, scores):
+        assert layer_chosen.shape == whole.keys[0].shape[:2]
+        assert (layer_chosen.sum(dim=1) == round(0.3 * n)).all() and layer_chosen[:, outside].all()
+        for head in range(layer_chosen.shape[0]):
+            inside = layer_scores[head, document.start:document.stop]
+            picked = layer_chosen[head, document.start:document.stop]
+            assert inside[picked].min() >= inside[~picked].max()
+
+
+def test_a_sharper_tier_derived_from_a_whole_file_equals_a_built_one(tiny_loaded):
+    settings = SnapKVConfig(budget=32, window=8, store_bits="4/2+20%@8")
+    built = Session(tiny_loaded, settings).prepare(DOCUMENT)
+    derived = Session(tiny_loaded, settings).derive(Session(tiny_loaded, SnapKVConfig(store_bits=16)).prepare(DOCUMENT))
+    assert isinstance(built.cache.payload[0][0], Mixed) and built.cache.tier.bits == Bits.parse("4/2+20%@8")
+    for (a_keys, a_values), (b_keys, b_values) in zip(built.cache.payload, derived.cache.payload):
+        assert torch.equal(a_keys.sharp, b_keys.sharp) and torch.equal(a_values.sharp, b_values.sharp)
+    for a, b in zip(built.cache.keys + built.cache.values, derived.cache.keys + derived.cache.values):
+        assert torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------------------------ probes
@@ -174,7 +238,7 @@ def test_derived_tier_equals_a_built_one(tiny_loaded):
 
 # ------------------------------------------------------------------------------------------ files
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2, "4/3"])
+@pytest.mark.parametrize("bits", [16, 8, 4, 2, "4/3", "4/2+20%@4"])
 def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tmp_path, bits):
     settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_method="reconstruction", store_bits=bits)
     session = Session(tiny_loaded, settings, store=CacheStore(tmp_path))
@@ -190,7 +254,7 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
     assert list(answer(tiny_loaded.model, built.cache, question, per_question=cut, max_new_tokens=8)) == \
         list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
     metadata = read_metadata(built.path)
-    assert metadata["version"] == "2.0" and metadata["tier"]["bits"] == bits
+    assert metadata["version"] == ("3.0" if "%" in str(bits) else "2.0") and metadata["tier"]["bits"] == bits
     assert (metadata["storage"].get("keys", {}).get("rotation") == "hadamard") == (Bits.parse(bits).keys < 8)
     assert metadata["tier"]["cut"]["method"] == "reconstruction" and metadata["tier"]["cut"]["keep"] == 0.5
     assert metadata["storage"]["bits"] == bits and metadata["document_span"] == [built.cache.document.start,
@@ -199,13 +263,13 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
 
 def test_fewer_bits_make_smaller_files(tiny_loaded, tmp_path):
     sizes = {}
-    for bits in (16, 8, 4, "4/3", 2):
+    for bits in (16, 8, 4, "4/3", "4/2+20%@4", 2):
         session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, store_keep=None, store_bits=bits),
                           store=CacheStore(tmp_path))
         sizes[bits] = session.prepare(DOCUMENT).file_bytes
     # the KV shrinks with the bits; ids, masks, scales and the header stay
     assert sizes[16] > 1.6 * sizes[8] and sizes[8] > 1.4 * sizes[4] > 1.4 * 1.2 * sizes[2]
-    assert sizes[4] > sizes["4/3"] > sizes[2]
+    assert sizes[4] > sizes["4/3"] > sizes["4/2+20%@4"] > sizes[2]
 
 
 def test_an_fp32_run_writes_16_bits(tiny_loaded, tmp_path):
@@ -267,4 +331,29 @@ def test_damaged_quantized_parts_are_refused(tiny_loaded, tmp_path):
         save_file(tensors, str(bad), metadata={"snapkv": json.dumps({**metadata,
                                                                      "payload_sha256": payload_digest(tensors)})})
         with pytest.raises(CacheFileError, match=messages[case]):
+            load_cache(bad)
+
+
+def test_damaged_sharper_parts_are_refused(tiny_loaded, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from snapkv.cachefile import payload_digest
+
+    settings = SnapKVConfig(budget=48, window=8, store_bits="4/2+20%@4")
+    path = Session(tiny_loaded, settings, store=CacheStore(tmp_path)).prepare(DOCUMENT).path
+    metadata = read_metadata(path)
+    cases = {
+        "heads share differently": (lambda t: t["layers.1.values.sharp_mask"][0].fill_(255), "different"),
+        "sharp codes cut short": (lambda t: t.__setitem__("layers.0.keys.sharp_codes",
+                                                          t["layers.0.keys.sharp_codes"][:, :1].clone()), "do not fit"),
+        "sharp scale is infinite": (lambda t: t["layers.2.keys.sharp_scale"].fill_(float("inf")), "infinite"),
+        "sharp part missing": (lambda t: t.pop("layers.0.values.sharp_minimum"), "missing"),
+    }
+    for case, (damage, message) in cases.items():
+        tensors = load_file(str(path))
+        damage(tensors)
+        bad = tmp_path / "bad.snapkv"
+        save_file(tensors, str(bad), metadata={"snapkv": json.dumps({**metadata,
+                                                                     "payload_sha256": payload_digest(tensors)})})
+        with pytest.raises(CacheFileError, match=message):
             load_cache(bad)
