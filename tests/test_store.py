@@ -80,7 +80,9 @@ def test_second_prepare_is_a_hit_without_prefill(tiny_loaded, tmp_path):
         entries = session.store.entries()
         assert [e.path for e in entries] == [first.path] and entries[0].size == first.path.stat().st_size
         # other settings are another entry
-        other = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, query_aware=False), store=session.store)
+        # (8 bits: a sharper share, the default, would add its probe passes to the one prefill counted here)
+        other = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, query_aware=False, store_bits=8),
+                        store=session.store)
         assert not other.prepare(DOCUMENT).hit and len(forwards) == 1
     finally:
         handle.remove()
