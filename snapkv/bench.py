@@ -75,6 +75,7 @@ class BenchResult:
     followup: FollowUp | None = None
     read_bandwidth: float = 0.0  # bytes per second, measured in the run (snapkv.floor.read_bandwidth)
     weight_bytes: int = 0        # read per decoded token
+    weights: str = ""            # how decoding reads them (LoadedModel.weights)
     growth: dict = field(default_factory=dict)  # method -> {"prefill_seconds": exponent, ...}: fitted n^k
     notes: list[str] = field(default_factory=list)
 
@@ -133,7 +134,8 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
         raise ConfigError(f"--repeats must be at least 1, not {repeats}")
     filler = filler or filler_text()
     result = BenchResult(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""),
-                         read_bandwidth=read_bandwidth(loaded.device), weight_bytes=weight_bytes_per_token(loaded.model))
+                         read_bandwidth=read_bandwidth(loaded.device), weight_bytes=weight_bytes_per_token(loaded.model),
+                         weights=loaded.weights)
     if random_weights:
         result.notes.append("random weights: the answers, and so needle_found, are meaningless")
     if too_long:

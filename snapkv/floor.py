@@ -12,7 +12,10 @@ from .memory import wait_for_device
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of parameters a decoded token reads: every weight once, except the input embedding table,
-    of which one row is read (unless the output head shares it, which reads it whole)."""
+    of which one row is read (unless the output head shares it, which reads it whole); a layer that decodes
+    from 4/8-bit blocks (snapkv.block_weights) reads its blocks instead of its fp32 weight."""
+    from .block_weights import BlockLinear
+
     seen, total = set(), 0
     for parameter in model.parameters():
         if parameter.data_ptr() in seen:
@@ -20,11 +23,16 @@ def weight_bytes_per_token(model) -> int:
         seen.add(parameter.data_ptr())
         total += parameter.numel() * parameter.element_size()
     embedding = model.get_input_embeddings().weight
+    row = embedding.shape[1] * embedding.element_size()
     head = model.get_output_embeddings()
     if head is None or head.weight.data_ptr() != embedding.data_ptr():
-        total -= embedding.numel() * embedding.element_size() - embedding.shape[1] * embedding.element_size()
+        total -= embedding.numel() * embedding.element_size() - row
+    for module in model.modules():
+        if isinstance(module, BlockLinear):
+            total += module.blocks.nbytes - module.weight.numel() * module.weight.element_size()
+            if module.weight.data_ptr() == embedding.data_ptr():
+                total += row  # the table is still read, one row, by the input embedding
     return total
-
 
 
 @torch.inference_mode()

@@ -27,6 +27,7 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
+    weights: str = "as loaded"  # how decoding reads the weights (snapkv.block_weights), for reports
 
     _identity: dict | None = None
 
@@ -155,12 +156,15 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
 def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto",
-               device_map: str | None = None, on_convert: Callable[[int, int], None] | None = None) -> LoadedModel:
+               device_map: str | None = None, on_convert: Callable[[int, int], None] | None = None,
+               block_weights: bool = True) -> LoadedModel:
     """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message.
 
     device_map: spread the layers over the GPUs (and CPU) with accelerate ("auto", "balanced", ...), for
     models larger than one device; each layer's cache then lives on that layer's device.
     on_convert: progress of a GGUF file's one-time conversion (the embedded model's first load).
+    block_weights: on CPU in fp32, decode from the weights' exact 4/8-bit blocks where they are such blocks
+    (a GGUF's Q4_1/Q8_0 matrices; snapkv.block_weights). False: read the fp32 weights, to measure against.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
@@ -190,7 +194,12 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     else:
         model.to(torch_device)
     model.eval()
-    return LoadedModel(model, tokenizer, name, torch_device, torch_dtype)
+    weights = "as loaded"
+    if block_weights and torch_device.type == "cpu" and torch_dtype == torch.float32 and not device_map:
+        from .block_weights import use_block_weights
+
+        weights = use_block_weights(model).describe()
+    return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights)
 
 
 def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto",

@@ -229,11 +229,14 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
 def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(kv_heads, tokens, head_dim) in `dtype`."""
     if isinstance(quantized, Mixed):
-        head_dim, device = quantized.shape[2], quantized.high.packed.device
+        heads, tokens, head_dim = quantized.shape
+        device = quantized.high.packed.device
         out = torch.empty(quantized.shape, dtype=dtype, device=device)
-        sharp = quantized.sharp.to(device)
+        rows = out.view(heads * tokens, head_dim)  # a head's tokens in order, head after head
+        sharp = quantized.sharp.to(device).reshape(heads * tokens)
         for chosen, part in ((sharp, quantized.high), (~sharp, quantized.low)):
-            out.scatter_(1, _token_index(chosen, head_dim), dequantize(part, dtype))
+            # each part holds its tokens in the same order: head after head, in order within a head
+            rows.index_copy_(0, chosen.nonzero().squeeze(1), dequantize(part, dtype).reshape(-1, head_dim))
         return out
     q = _unpack(quantized.packed, quantized.scheme.bits).float()
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)

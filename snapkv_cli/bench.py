@@ -134,6 +134,7 @@ def bench(
     stdout_console().print(
         f"floor: (weights {result.weight_bytes / 2**20:.0f} MiB + KV decoded against) per token at the read "
         f"bandwidth measured in this run, {result.read_bandwidth / 1e9:.1f} GB/s; (x) = decode / floor")
+    stdout_console().print(f"weights: {result.weights}", markup=False)
     for name, fitted in result.growth.items():
         stdout_console().print(f"growth with length, {name}: " + ", ".join(
             f"{key.replace('_', ' ')} ~ n^{exponent:.2f}" for key, exponent in fitted.items()))

@@ -369,8 +369,9 @@ def test_a_last_piece_shorter_than_the_window_joins_the_chunk_before_it():
 
 
 def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
-    """One query row in bf16 on CPU is computed by plain matmuls (snapkv.cpu_attention), grouped heads and
-    masks as sdpa treats them; anything else goes to sdpa itself."""
+    """One query row in bf16 on CPU, or a question's rows in bf16 or fp32, are computed by plain matmuls
+    (snapkv.cpu_attention), grouped heads and masks as sdpa treats them; anything else (one fp32 row
+    included) goes to sdpa itself."""
     from transformers.integrations import sdpa_attention
 
     from snapkv import cpu_attention
@@ -395,6 +396,11 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
         monkeypatch.undo()
         assert not calls and found.shape == expected.shape == (1, queries.shape[2], 6, 16)
         assert torch.allclose(found.float(), expected, atol=0.03)
+        if queries.shape[2] > 1:  # a question's rows in fp32 take the matmuls too, and agree to fp32 rounding
+            monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1))
+            found, _ = cpu_attention.attention_forward(module, queries, key, value, mask, scaling=0.25)
+            monkeypatch.undo()
+            assert not calls and torch.allclose(found, expected, atol=1e-5)
     # several rows without a mask (sdpa's own causal flag), more than SHORT_QUERY rows, or fp32: sdpa's kernel
     long_rows = torch.randn(1, 6, cpu_attention.SHORT_QUERY + 1, 16)
     long_mask = torch.ones(1, 1, long_rows.shape[2], 40, dtype=torch.bool)

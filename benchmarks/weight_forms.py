@@ -1,18 +1,20 @@
-"""Decode ms/token with the weights in the compute dtype against int8 weight-only, side by side.
+"""Decode ms/token with the weights in three forms, side by side in one run:
 
-Decoding is memory-bound: every token reads every weight once, 4 bytes each in fp32. Here each nn.Linear is
-replaced by one whose weight is int8 with one scale per output channel (symmetric), multiplied by PyTorch's
-int8 weight-only CPU kernel (torch._weight_int8pack_mm, the one torchao's int8 weight-only layers use on CPU)
-for a few rows, and dequantized for a block of many rows (the prompt). On a 2-core AVX2 CPU in fp32 the int8
-form read a quarter of the weight bytes yet decoded 1.2-1.3x slower (README, Measured), so snapkv does not
-offer it; the layer stays here for CPUs and kernels where it may pay.
+- float:  the weights as loaded (fp32 on a CPU without bf16 units; 4 bytes per weight read per token);
+- blocks: snapkv's default on CPU in fp32: the GGUF's own 4-bit (Q4_1) and 8-bit (Q8_0) blocks found back
+          exactly from the fp32 weights and multiplied by snapkv's C kernel (snapkv.block_weights);
+- int8:   each nn.Linear's weight rounded to int8 with one scale per output channel (symmetric), multiplied
+          by PyTorch's int8 weight-only CPU kernel (torch._weight_int8pack_mm, the one torchao's int8
+          weight-only layers use on CPU) for a few rows, dequantized for many (the prompt). On a 2-core AVX2
+          CPU in fp32 it read a quarter of the weight bytes yet decoded 1.2-1.3x slower than float (README,
+          Measured), so snapkv does not offer it; it stays here for CPUs and kernels where it may pay.
 
 One haystack document at --tokens is prefilled once (original weights); the same cache then answers with
 the full cache and with per-question SnapKV (--budget), once per weight form, taking turns for --repeats
 rounds (medians). Also: the prefill of the document with each form, the bytes a token reads, the machine's
 read bandwidth and the floor, and whether each form found the needle.
 
-    .venv/bin/python benchmarks/int8_weights.py --tokens 7k --budget 1024
+    .venv/bin/python benchmarks/weight_forms.py --tokens 7k --budget 1024
 """
 
 import copy
@@ -23,6 +25,7 @@ import torch
 from decode_options import decode_parser
 from torch import nn
 
+from snapkv.block_weights import use_block_weights
 from snapkv.config import Cut
 from snapkv.documents import Document
 from snapkv.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
@@ -82,8 +85,9 @@ def main() -> None:
     parser = decode_parser(__doc__)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    loaded = load_model()
-    forms = {"original": loaded.model, "int8": copy.deepcopy(loaded.model)}
+    loaded = load_model(block_weights=False)
+    forms = {"float": loaded.model, "blocks": copy.deepcopy(loaded.model), "int8": copy.deepcopy(loaded.model)}
+    print("blocks:", use_block_weights(forms["blocks"]).describe())
     int8_weights(forms["int8"])
     haystack = build_haystack(loaded.tokenizer, filler_text(), parse_size(args.tokens, name="--tokens"), 0.5, "58207")
     document = Document(haystack.text)
@@ -94,7 +98,7 @@ def main() -> None:
         session = Session(type(loaded)(model, loaded.tokenizer, loaded.name, loaded.device, loaded.dtype), None)
         prepared[name] = session.prepare(document, measure=True)
         prefill_seconds[name] = prepared[name].prefill_seconds
-    cache = prepared["original"].cache
+    cache = prepared["float"].cache
     question = loaded.prompter.question_ids(NEEDLE_QUESTION, NEEDLE_ANSWER_PREFIX)
     cuts = {"full cache": None, f"snapkv {args.budget}": Cut(args.budget, 32)}
     timings = {(form, cut): [] for form in forms for cut in cuts}
@@ -109,8 +113,8 @@ def main() -> None:
                 timings[(form, cut_name)].append(1000 * (time.perf_counter() - started) / (len(ids) - 1))
                 answers[(form, cut_name)] = loaded.tokenizer.decode(ids)
     kv_bytes = {"full cache": cache.kv_bytes, f"snapkv {args.budget}": cache.kv_bytes * args.budget // cache.original_length}
-    print(f"prefill {cache.original_length} tokens: original {prefill_seconds['original']:.2f} s, "
-          f"int8 {prefill_seconds['int8']:.2f} s")
+    print(f"prefill {cache.original_length} tokens: " + ", ".join(
+        f"{form} {seconds:.2f} s" for form, seconds in prefill_seconds.items()))
     print(f"{'cache':<14}{'weights':<10}{'MB/token':>10}{'floor ms':>10}{'ms/token':>10}{'x floor':>9}  answer")
     for cut_name in cuts:
         for form, model in forms.items():
@@ -118,6 +122,9 @@ def main() -> None:
             floor = floor_ms_per_token(read, 0, bandwidth)
             ms = statistics.median(timings[(form, cut_name)])
             found = "needle found" if haystack.number in answers[(form, cut_name)] else "needle missed"
+            if form != "float":
+                found += ", same answer as float" if answers[(form, cut_name)] == answers[("float", cut_name)] else (
+                    ", DIFFERENT answer from float")
             print(f"{cut_name:<14}{form:<10}{read / 1e6:>10.0f}{floor:>10.1f}{ms:>10.1f}{ms / floor:>8.1f}x  "
                   f"{found}: {answers[(form, cut_name)].strip()[:40]!r}")
 

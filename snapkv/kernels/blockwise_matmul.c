@@ -1,0 +1,125 @@
+/* Matrix products with weights stored in blocks of 32 along the input dimension, for a few rows of
+ * activations in fp32 (a decoded token, a question): y (rows, n) = x (rows, k) @ W^T, W (n, k).
+ *
+ * 4-bit blocks: w = scale * q + minimum, q in 0..15; the 16 bytes of a block hold element j in the low
+ *               nibble of byte j and element j + 16 in its high nibble.
+ * 8-bit blocks: w = scale * q, q in -127..127, one signed byte per element.
+ * scale, minimum: one fp32 per block, (n, k / 32) row-major.
+ *
+ * The block's products are summed in fp32 and scaled once per block; the minimum's share is
+ * minimum * (sum of the block's x), with the x sums taken once per call. Output rows are spread over
+ * `threads` OpenMP threads. Needs AVX2 and FMA (the caller checks the CPU). */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 32
+#define MAX_ROWS 64
+
+static inline float sum_lanes(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_add_ss(half, _mm_movehdup_ps(half));
+    return _mm_cvtss_f32(half);
+}
+
+static inline __m256 bytes_to_floats(__m128i eight_bytes_low, int is_signed) {
+    __m256i widened = is_signed ? _mm256_cvtepi8_epi32(eight_bytes_low) : _mm256_cvtepu8_epi32(eight_bytes_low);
+    return _mm256_cvtepi32_ps(widened);
+}
+
+/* Returns 0, or -1 when rows or k do not fit (rows > MAX_ROWS, k not a multiple of 32). */
+int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                const float *minimum, int64_t n, float *y, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || k % BLOCK) return -1;
+    const int64_t blocks = k / BLOCK;
+    float *block_sums = malloc(sizeof(float) * rows * blocks);  /* (rows, blocks): sum of x per block */
+    if (!block_sums) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            float total = 0.0f;
+            for (int j = 0; j < BLOCK; j++) total += x[r * k + b * BLOCK + j];
+            block_sums[r * blocks + b] = total;
+        }
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    if (rows == 1) {  /* a decoded token: the accumulators stay in registers */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t out = 0; out < n; out++) {
+            __m256 accumulated = _mm256_setzero_ps();
+            float from_minimum = 0.0f;
+            const uint8_t *row_codes = codes + out * blocks * (BLOCK / 2);
+            for (int64_t b = 0; b < blocks; b++) {
+                __m128i packed = _mm_loadu_si128((const __m128i *)(row_codes + b * (BLOCK / 2)));
+                __m128i low = _mm_and_si128(packed, low_nibbles);
+                __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+                const float *xs = x + b * BLOCK;
+                __m256 dot = _mm256_mul_ps(bytes_to_floats(low, 0), _mm256_loadu_ps(xs));
+                __m256 dot2 = _mm256_mul_ps(bytes_to_floats(_mm_srli_si128(low, 8), 0), _mm256_loadu_ps(xs + 8));
+                dot = _mm256_fmadd_ps(bytes_to_floats(high, 0), _mm256_loadu_ps(xs + 16), dot);
+                dot2 = _mm256_fmadd_ps(bytes_to_floats(_mm_srli_si128(high, 8), 0), _mm256_loadu_ps(xs + 24), dot2);
+                accumulated = _mm256_fmadd_ps(_mm256_add_ps(dot, dot2), _mm256_set1_ps(scale[out * blocks + b]),
+                                              accumulated);
+                from_minimum += minimum[out * blocks + b] * block_sums[b];
+            }
+            y[out] = sum_lanes(accumulated) + from_minimum;
+        }
+        free(block_sums);
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        __m256 accumulated[MAX_ROWS];
+        float from_minimum[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) { accumulated[r] = _mm256_setzero_ps(); from_minimum[r] = 0.0f; }
+        for (int64_t b = 0; b < blocks; b++) {
+            __m128i packed = _mm_loadu_si128((const __m128i *)(codes + (out * blocks + b) * (BLOCK / 2)));
+            __m128i low = _mm_and_si128(packed, low_nibbles);                      /* elements 0..15 */
+            __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);  /* elements 16..31 */
+            __m256 q0 = bytes_to_floats(low, 0), q1 = bytes_to_floats(_mm_srli_si128(low, 8), 0);
+            __m256 q2 = bytes_to_floats(high, 0), q3 = bytes_to_floats(_mm_srli_si128(high, 8), 0);
+            __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
+            float block_minimum = minimum[out * blocks + b];
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xs = x + r * k + b * BLOCK;
+                __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xs));
+                dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
+                dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
+                dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+                accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
+                from_minimum[r] += block_minimum * block_sums[r * blocks + b];
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = sum_lanes(accumulated[r]) + from_minimum[r];
+    }
+    free(block_sums);
+    return 0;
+}
+
+int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
+                float *y, int threads) {
+    if (rows < 1 || rows > MAX_ROWS || k % BLOCK) return -1;
+    const int64_t blocks = k / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        __m256 accumulated[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) accumulated[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const int8_t *block = codes + (out * blocks + b) * BLOCK;
+            __m256 q0 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)block), 1);
+            __m256 q1 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 8)), 1);
+            __m256 q2 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 16)), 1);
+            __m256 q3 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 24)), 1);
+            __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xs = x + r * k + b * BLOCK;
+                __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xs));
+                dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
+                dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
+                dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+                accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = sum_lanes(accumulated[r]);
+    }
+    return 0;
+}

@@ -1,0 +1,108 @@
+"""snapkv's C kernels (snapkv/kernels/*.c): compiled once per machine with the system's C compiler, loaded
+with ctypes.
+
+The shared library is cached under <snapkv home>/native/, named by a digest of the source, the compiler and
+its flags, so a changed kernel or compiler builds anew (about a second). Nothing depends on it: where there is
+no C compiler, the CPU lacks AVX2 and FMA, SNAPKV_NATIVE_KERNELS=0 is set, or compiling fails,
+`blockwise_kernels()` raises NativeUnavailable saying why, and callers stay on PyTorch.
+"""
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+
+from .paths import snapkv_home
+
+SOURCE = "blockwise_matmul.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+DISABLE = "SNAPKV_NATIVE_KERNELS"  # =0 turns the kernels off (measure against PyTorch)
+MAX_ROWS = 64  # as in the C source
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels cannot be used here; the message says why."""
+
+
+def _compiler() -> str:
+    chosen = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not chosen:
+        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+    return chosen
+
+
+def _cpu_supports_kernels() -> bool:
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _build(source: bytes, compiler: str) -> str:
+    """The path of the compiled library, compiling it first if this source and compiler have none yet."""
+    digest = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    folder = snapkv_home() / "native"
+    library = folder / f"{SOURCE.removesuffix('.c')}-{digest}.so"
+    if library.exists():
+        return str(library)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        source_file = os.path.join(scratch, SOURCE)
+        with open(source_file, "wb") as handle:
+            handle.write(source)
+        built = os.path.join(scratch, "built.so")
+        try:
+            result = subprocess.run([compiler, *FLAGS, source_file, "-o", built], capture_output=True, text=True,
+                                    timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise NativeUnavailable(f"could not run the C compiler {compiler}: {error}") from error
+        if result.returncode != 0:
+            first = (result.stderr.strip().splitlines() or ["no message"])[0]
+            raise NativeUnavailable(f"compiling {SOURCE} failed: {first}")
+        os.replace(built, library)  # whole or absent: another process may be loading it
+    return str(library)
+
+
+def _load() -> ctypes.CDLL:
+    if not _cpu_supports_kernels():
+        raise NativeUnavailable("this CPU lacks AVX2 and FMA")
+    source = resources.files("snapkv").joinpath("kernels", SOURCE).read_bytes()
+    try:
+        library = ctypes.CDLL(_build(source, _compiler()))
+    except OSError as error:
+        raise NativeUnavailable(f"could not load the compiled kernels: {error}") from error
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    library.matmul_4bit.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
+    library.matmul_8bit.argtypes = [pointer, size, size, pointer, pointer, size, pointer, ctypes.c_int]
+    library.matmul_4bit.restype = library.matmul_8bit.restype = ctypes.c_int
+    return library
+
+
+_loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of this process
+
+
+def blockwise_kernels() -> ctypes.CDLL:
+    """The loaded library (matmul_4bit, matmul_8bit), or NativeUnavailable. Built and loaded once per process."""
+    if os.environ.get(DISABLE, "1") == "0":
+        raise NativeUnavailable(f"turned off by {DISABLE}=0")
+    if "library" not in _loaded and "failure" not in _loaded:
+        try:
+            _loaded["library"] = _load()
+        except NativeUnavailable as error:
+            _loaded["failure"] = str(error)
+        except Exception as error:  # anything else on the way (an unwritable home folder): the same clean refusal
+            _loaded["failure"] = f"{type(error).__name__}: {error}"
+    if "failure" in _loaded:
+        raise NativeUnavailable(_loaded["failure"])
+    return _loaded["library"]
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernels load, else why not."""
+    try:
+        blockwise_kernels()
+    except NativeUnavailable as error:
+        return str(error)
+    return None

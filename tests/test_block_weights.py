@@ -1,0 +1,179 @@
+"""Weights kept as exact 4/8-bit blocks and decoded by snapkv's C kernel (snapkv.block_weights, snapkv.native)."""
+
+import pytest
+import torch
+
+from snapkv import block_weights, native
+from snapkv.block_weights import BlockLinear, exact_blocks, use_block_weights
+from snapkv.floor import weight_bytes_per_token
+from snapkv.generation import answer, prefill
+
+from conftest import build_tiny
+
+needs_kernels = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                   reason=f"kernels unavailable: {native.unavailable_reason()}")
+
+
+def four_bit_weight(out: int, inputs: int, seed: int = 0) -> torch.Tensor:
+    """(out, inputs) fp32 that is exactly Q4_1 blocks: scale * q + minimum, fp16 scale and minimum."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out, inputs // 32, 32), generator=generator).float()
+    codes[:, :, 0], codes[:, :, 1] = 0, 15  # as a quantizer leaves them: the block's extremes
+    scale = (torch.rand(out, inputs // 32, 1, generator=generator) * 0.02).half().float()
+    minimum = (-torch.rand(out, inputs // 32, 1, generator=generator) * 0.1).half().float()
+    return (codes * scale + minimum).reshape(out, inputs)
+
+
+def eight_bit_weight(out: int, inputs: int, seed: int = 0) -> torch.Tensor:
+    """(out, inputs) fp32 that is exactly Q8_0 blocks: scale * q, q in -127..127, fp16 scale."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (out, inputs // 32, 32), generator=generator).float()
+    codes[:, :, 0] = 127
+    scale = (torch.rand(out, inputs // 32, 1, generator=generator) * 0.01).half().float()
+    return (codes * scale).reshape(out, inputs)
+
+
+def rebuilt(blocks) -> torch.Tensor:
+    """The fp32 weight the blocks stand for, unpacked here in Python (independent of the C kernel)."""
+    out = blocks.scale.shape[0]
+    if blocks.bits == 8:
+        return (blocks.codes.float().reshape(out, -1, 32) * blocks.scale[..., None]).reshape(out, -1)
+    packed = blocks.codes.reshape(out, -1, 16)
+    codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()  # (out, blocks, 32): elements j, j + 16
+    return (codes * blocks.scale[..., None] + blocks.minimum[..., None]).reshape(out, -1)
+
+
+def snap_to_blocks(model) -> None:
+    """Round every linear weight of a tiny model to Q4_1-like blocks (the output head to Q8_0), in place,
+    so that the model is exactly what a GGUF file would hold."""
+    for name, module in model.named_modules():
+        if type(module) is not torch.nn.Linear:
+            continue
+        weight = module.weight.data
+        grouped = weight.reshape(weight.shape[0], -1, 32)
+        if name.endswith("lm_head"):
+            scale = (grouped.abs().amax(-1, keepdim=True) / 127).half().float()
+            grouped.copy_((grouped / scale).round() * scale)
+            continue
+        smallest = grouped.amin(-1, keepdim=True).half().float()
+        scale = ((grouped.amax(-1, keepdim=True) - smallest) / 15).half().float()
+        grouped.copy_(((grouped - smallest) / scale).round().clamp(0, 15) * scale + smallest)
+
+
+@pytest.mark.parametrize("make, bits", [(four_bit_weight, 4), (eight_bit_weight, 8)])
+def test_exact_blocks_give_back_every_weight(make, bits):
+    weight = make(96, 128)
+    blocks = exact_blocks(weight)
+    assert blocks is not None and blocks.bits == bits
+    assert torch.equal(rebuilt(blocks), weight)
+    assert blocks.nbytes == weight.numel() * (0.75 if bits == 4 else 1.125)  # codes + fp32 scale (+ minimum) per 32
+
+
+def test_weights_that_are_not_blocks_are_left_alone():
+    assert exact_blocks(torch.randn(64, 128)) is None  # a float checkpoint: rounding would change it
+    assert exact_blocks(four_bit_weight(64, 128).bfloat16()) is None  # not fp32
+    assert exact_blocks(torch.zeros(8, 48)) is None  # 48 inputs: not whole blocks
+    nearly = four_bit_weight(64, 128)
+    nearly[3, 70] += 1e-4  # one weight off the grid
+    assert exact_blocks(nearly) is None or exact_blocks(nearly).bits == 8 and torch.equal(
+        rebuilt(exact_blocks(nearly)), nearly)
+
+
+@needs_kernels
+@pytest.mark.parametrize("make", [four_bit_weight, eight_bit_weight])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_kernel_matches_the_fp32_product(make, rows):
+    weight = make(200, 576, seed=rows)
+    blocks = exact_blocks(weight)
+    x = torch.randn(rows, 576)
+    expected = x.double() @ weight.double().T
+    got = block_weights.blockwise_matmul(x, blocks, 200)
+    assert got.shape == (rows, 200)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
+@needs_kernels
+def test_block_linear_uses_the_kernel_for_one_row_and_pytorch_for_a_prompt(monkeypatch):
+    linear = torch.nn.Linear(64, 96, bias=True)
+    linear.weight.data = four_bit_weight(96, 64)
+    layer = BlockLinear(linear, exact_blocks(linear.weight))
+    calls = []
+    real = block_weights.blockwise_matmul
+    monkeypatch.setattr(block_weights, "blockwise_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.inference_mode():
+        one = torch.randn(1, 1, 64)
+        assert torch.allclose(layer(one), linear(one), atol=1e-5)
+        prompt = torch.randn(1, 10, 64)
+        assert torch.equal(layer(prompt), linear(prompt))
+    assert calls == [(1, 64)]
+    assert layer.weight is linear.weight  # the same Parameter: ties and state_dict keys unchanged
+
+
+@needs_kernels
+@pytest.mark.parametrize("tied", [False, True])
+def test_model_on_blocks_answers_token_for_token_as_in_fp32(tied):
+    from snapkv.config import Cut
+
+    model = build_tiny("llama-gqa")
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.get_input_embeddings().weight
+    snap_to_blocks(model)
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(1))
+    question = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(2))
+    expected = {}
+    for label, cut in (("full", None), ("cut", Cut(64, 8))):
+        cache = prefill(model, ids, None)
+        expected[label] = list(answer(model, cache, question, per_question=cut, max_new_tokens=24))
+    fp32_bytes = weight_bytes_per_token(model)
+    report = use_block_weights(model)
+    linears = 3 * 7 + 1  # tied or not, the output head is a linear layer (over the input table when tied)
+    assert report.packed == linears and report.reason is None
+    assert sum(isinstance(module, BlockLinear) for module in model.modules()) == linears
+    assert weight_bytes_per_token(model) < fp32_bytes
+    if tied:
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    for label, cut in (("full", None), ("cut", Cut(64, 8))):
+        cache = prefill(model, ids, None)
+        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=24)) == expected[label]
+
+
+def test_float_weights_and_unavailable_kernels_leave_the_model_as_it_was(monkeypatch):
+    model = build_tiny("llama-gqa")  # random fp32: not blocks
+    report = use_block_weights(model)
+    assert report.packed == 0
+    assert report.reason == (native.unavailable_reason() or "no linear layer's weights are exact 4/8-bit blocks")
+    monkeypatch.setenv(native.DISABLE, "0")
+    snap_to_blocks(model)
+    report = use_block_weights(model)
+    assert report.packed == 0 and f"{native.DISABLE}=0" in report.describe()
+    assert not any(isinstance(module, BlockLinear) for module in model.modules())
+
+
+def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(native, "_cpu_supports_kernels", lambda: True)
+    with pytest.raises(native.NativeUnavailable, match="C compiler"):
+        native.blockwise_kernels()
+    assert "C compiler" in native.unavailable_reason()  # remembered: not tried again per call
+    assert not list((tmp_path / "home" / "native").glob("*.so"))
+
+
+def test_a_compile_error_is_a_reason_and_leaves_nothing(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", {})
+    monkeypatch.setattr(native, "_cpu_supports_kernels", lambda: True)
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DSNAPKV_BROKEN", "-include", "no_such_header.h"))
+    with pytest.raises(native.NativeUnavailable, match="compiling"):
+        native.blockwise_kernels()
+    folder = tmp_path / "home" / "native"
+    assert not folder.exists() or not any(folder.iterdir())
+
+
+@pytest.mark.slow
+def test_embedded_model_decodes_from_its_gguf_blocks(embedded):
+    if embedded.dtype != torch.float32 or native.unavailable_reason():
+        assert embedded.weights == "as loaded" or embedded.weights.startswith("fp32 weights (")
+        pytest.skip(f"blocks are for fp32 on CPU with the kernels ({embedded.dtype}, {native.unavailable_reason()})")
+    assert embedded.weights.startswith("211 of 211 linear layers"), embedded.weights
+    assert weight_bytes_per_token(embedded.model) < 120 * 2**20  # 513 MiB in fp32
