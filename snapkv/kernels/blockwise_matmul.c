@@ -28,6 +28,14 @@ static inline __m256 bytes_to_floats(__m128i eight_bytes_low, int is_signed) {
     return _mm256_cvtepi32_ps(widened);
 }
 
+/* The block's 32 codes (as floats, 8 per vector) times the 32 activations xs, summed per lane. */
+static inline __m256 block_products(__m256 q0, __m256 q1, __m256 q2, __m256 q3, const float *xs) {
+    __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xs));
+    dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
+    dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
+    return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+}
+
 /* Returns 0, or -1 when rows or k do not fit (rows > MAX_ROWS, k not a multiple of 32). */
 int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                 const float *minimum, int64_t n, float *y, int threads) {
@@ -80,11 +88,7 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
             __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
             float block_minimum = minimum[out * blocks + b];
             for (int64_t r = 0; r < rows; r++) {
-                const float *xs = x + r * k + b * BLOCK;
-                __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xs));
-                dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
-                dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
-                dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+                __m256 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);
                 accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
                 from_minimum[r] += block_minimum * block_sums[r * blocks + b];
             }
@@ -111,11 +115,7 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
             __m256 q3 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 24)), 1);
             __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
             for (int64_t r = 0; r < rows; r++) {
-                const float *xs = x + r * k + b * BLOCK;
-                __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xs));
-                dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
-                dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
-                dot = _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+                __m256 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);
                 accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
             }
         }
