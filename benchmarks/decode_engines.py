@@ -1,8 +1,10 @@
-"""Decode ms/token of the three decode engines on one prepared cache, side by side in one run:
+"""Decode ms/token of the decode engines on one prepared cache, side by side in one run:
 
-- concat:   transformers' way, each token appended by concatenation (a copy of the whole cache per token);
-- presized: the cache copied once into a buffer with room for the answer, written in place (snapkv's default
-  except on CPU in 16 bits, where concatenation measured faster);
+- concat:   the model's own forward, each token appended by concatenation (a copy of the whole cache per token);
+- presized: the model's own forward, the cache copied once into a buffer with room for the answer, written in
+  place (snapkv's choice except on CPU in 16 bits, where concatenation measured faster);
+- lean:     snapkv's default: the cache as above, each token through snapkv.lean_decode's written-out step
+  (plain Llama-family models on CPU; the model's forward elsewhere);
 - compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
@@ -20,6 +22,7 @@ from decode_options import decode_parser
 def main() -> None:
     parser = decode_parser(__doc__)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-compiled", action="store_true", help="leave out the compiled step (its compile takes minutes)")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 where the CPU has bf16 units), float32, bfloat16")
     args = parser.parse_args()
 
@@ -47,7 +50,10 @@ def main() -> None:
         session = Session(loaded, settings)
         prepared = session.prepare(session.prompt(document, max_tokens=length))
         decoder = CompiledDecoder(loaded.model)
-        engines = {"concat": dict(presized=False), "presized": dict(presized=True), "compiled": dict(decoder=decoder)}
+        engines = {"concat": dict(presized=False, lean=False), "presized": dict(presized=True, lean=False),
+                   "lean": dict(), "compiled": dict(decoder=decoder)}
+        if args.no_compiled:
+            del engines["compiled"]
         times = {engine: [] for engine in engines}
         answers = {}
         for round_ in range(args.repeats + 1):  # round 0 warms up (and compiles)
@@ -70,7 +76,8 @@ def main() -> None:
             median = statistics.median(times[engine])
             same = "same answer" if answers[engine] == answers["concat"] else "DIFFERENT answer"
             print(f"  {engine:<9} {median:7.1f} ms/token  ({median / floor:.1f}x the floor; {same})")
-        print(f"  compile: {decoder.compile_seconds:.1f} s" + (f"; failed: {decoder.failure}" if decoder.failure else ""))
+        if "compiled" in engines:
+            print(f"  compile: {decoder.compile_seconds:.1f} s" + (f"; failed: {decoder.failure}" if decoder.failure else ""))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from transformers import DynamicCache
 
+from . import lean_decode
 from .architectures import attention_layers
 from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
@@ -184,6 +185,7 @@ def answer(
     sampling: Sampling = Sampling(),
     presized: bool | None = None,
     decoder: "CompiledDecoder | None" = None,
+    lean: bool | None = None,
 ) -> Iterator[int]:
     """Yield the answer's token ids, one at a time (stop tokens are not yielded).
 
@@ -200,6 +202,8 @@ def answer(
     transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
     decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
     (snapkv.compiled); the eager step otherwise, or if compiling fails.
+    lean: the eager step as snapkv.lean_decode writes it out (None: where the model qualifies, a plain
+    Llama-family model on CPU), or False: the model's own forward, to measure against.
     """
     device = model_device(model)
     working = cache.to_dynamic_cache(model.config)
@@ -221,6 +225,7 @@ def answer(
         static = decoder.static_copy(working, max_new_tokens - 1)
     elif max_new_tokens > 1 and write_in_place:
         presize(working, max_new_tokens - 1)
+    lean = lean is not False and static is None and lean_decode.qualifies(model, working)
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
         if token in stop_ids:
@@ -238,6 +243,9 @@ def answer(
             static = None  # compiling failed before anything was written: go on eagerly
             if write_in_place:
                 presize(working, max_new_tokens - 1 - step)
+        if lean:
+            logits = lean_decode.decode_step(model, token, position, working)
+            continue
         logits = run_forward(
             model, torch.tensor([[token]], device=device), working, torch.tensor([[position]], device=device)
         )

@@ -441,3 +441,50 @@ def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch)
     assert not fallbacks  # the question and every decoded step of the snapkv model took the matmul path
     difference = (models["sdpa"] - models[cpu_attention.NAME]).abs().max()
     assert difference < 0.05 * models["sdpa"].abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2"])
+def test_lean_decode_step_is_the_models_forward_to_the_bit(name, dtype, monkeypatch):
+    """snapkv.lean_decode writes out one token's forward for plain Llama-family models: the same logits, bit for
+    bit, as the model's own forward, and answer() uses it for every decoded token (full cache and a cut)."""
+    from snapkv import cpu_attention, lean_decode
+    from snapkv.generation import run_forward
+
+    model = build_tiny(name, attn_implementation="sdpa" if dtype == torch.float32 else cpu_attention.NAME)
+    model = model.to(dtype)
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
+    question = random_ids(6, 6)
+    forward, lean = cache.to_dynamic_cache(model.config), cache.to_dynamic_cache(model.config)
+    assert lean_decode.qualifies(model, lean)
+    positions = torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)
+    for working in (forward, lean):
+        run_forward(model, question.unsqueeze(0), working, positions)
+    for step, token in enumerate([5, 17, 99]):
+        position = PROMPT_LENGTH + 6 + step
+        expected = run_forward(model, torch.tensor([[token]]), forward, torch.tensor([[position]]))
+        assert torch.equal(lean_decode.decode_step(model, token, position, lean), expected)
+    steps = []
+    real_step = lean_decode.decode_step
+    monkeypatch.setattr(lean_decode, "decode_step", lambda *a: steps.append(1) or real_step(*a))
+    for cut in (None, Cut(24, 8)):
+        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=12, lean=False))
+        steps.clear()
+        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=12)) == tokens
+        assert len(steps) == len(tokens) - 1  # every token after the first (which the question pass gives)
+
+
+@pytest.mark.parametrize("name", ["phi3", "qwen3", "gemma3"])
+def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forward(name):
+    from snapkv import lean_decode
+
+    model = build_tiny(name)
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(model.config)
+    assert not lean_decode.qualifies(model, cache)
+    llama = build_tiny("llama-gqa")
+    cache = prefill(llama, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(llama.config)
+    assert lean_decode.qualifies(llama, cache)
+    handle = llama.model.layers[1].mlp.register_forward_hook(lambda *_: None)  # e.g. accelerate's device hooks
+    assert not lean_decode.qualifies(llama, cache)
+    handle.remove()
+    assert not lean_decode.qualifies(build_tiny("llama-gqa", attn_implementation="eager"), cache)

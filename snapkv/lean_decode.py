@@ -1,0 +1,80 @@
+"""One decoded token through a Llama-family model on CPU, written out as the few PyTorch calls it needs.
+
+transformers' forward of one token through the embedded model makes about 2,400 PyTorch calls, with Python
+around each layer (mask construction, keyword plumbing, output wrappers, module hooks); on a 2-core CPU that
+costs more per token than reading the weights from their 4-bit blocks. For the architectures whose decoder
+layer is plain Llama (pre-norm RMSNorm, q/k/v/o projections with RoPE, a gated MLP: Llama, Mistral, Qwen2)
+this step computes the same thing with the same modules' weights, the same rotary embedding module, the same
+attention function and the same arithmetic (each formula as transformers writes it, so fp32 results agree to
+the bit), and none of the plumbing. Everything else (other architectures, sliding windows, GPUs, a model
+with hooks such as accelerate's device_map) keeps the model's own forward. Checked against it, logits and
+greedy tokens, in tests/test_engine.py.
+"""
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+PLAIN_LLAMA = ("llama", "mistral", "qwen2")
+
+
+def _has_hooks(model) -> bool:
+    return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
+
+
+def qualifies(model, cache: DynamicCache) -> bool:
+    """A plain Llama-family decoder on CPU, every layer full attention in a plain (or presized) cache layer,
+    no module hooks."""
+    config = model.config
+    if config.model_type not in PLAIN_LLAMA or getattr(config, "hidden_act", None) != "silu":
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False  # Mistral/Qwen2 with a window: the model's own masks
+    if getattr(config, "pretraining_tp", 1) != 1 or getattr(config, "mlp_bias", False):
+        return False
+    if config._attn_implementation not in ALL_ATTENTION_FUNCTIONS:
+        return False  # eager attention: the model's own forward
+    device = model.get_input_embeddings().weight.device
+    return (device.type == "cpu" and all(isinstance(layer, DynamicLayer) for layer in cache.layers)
+            and not _has_hooks(model))
+
+
+def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm computes it."""
+    states = hidden.to(torch.float32)
+    variance = states.pow(2).mean(-1, keepdim=True)
+    states = states * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * states.to(hidden.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.inference_mode()
+def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.Tensor:
+    """Append `token` at `position` to `cache`; the next logits (vocab,)."""
+    inner = model.model
+    attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    hidden = inner.embed_tokens(torch.tensor([[token]]))  # (1, 1, hidden)
+    cos, sin = inner.rotary_emb(hidden, torch.tensor([[position]]))  # (1, 1, head_dim) each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, 1, head_dim): over the heads
+    for layer in inner.layers:
+        attention = layer.self_attn
+        normed = _rms_norm(layer.input_layernorm, hidden)
+        shape = (1, 1, -1, attention.head_dim)
+        # (1, heads, 1, head_dim) and (1, kv_heads, 1, head_dim)
+        query = attention.q_proj(normed).view(shape).transpose(1, 2)
+        key = attention.k_proj(normed).view(shape).transpose(1, 2)
+        value = attention.v_proj(normed).view(shape).transpose(1, 2)
+        query = (query * cos) + (_rotate_half(query) * sin)
+        key = (key * cos) + (_rotate_half(key) * sin)
+        keys, values = cache.update(key, value, attention.layer_idx)
+        output, _ = attend(attention, query, keys, values, None, dropout=0.0, scaling=attention.scaling)
+        hidden = hidden + attention.o_proj(output.reshape(1, 1, -1).contiguous())
+        normed = _rms_norm(layer.post_attention_layernorm, hidden)
+        mlp = layer.mlp
+        hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+    return model.lm_head(_rms_norm(inner.norm, hidden))[0, -1]
