@@ -141,16 +141,26 @@ def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, tmp_path, monke
     afterwards is bit for bit the one saved to the store before any answer."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    real_forward, decode_steps = LlamaForCausalLM.forward, []
+    from snapkv import lean_decode
+
+    real_forward, real_step, decode_steps = LlamaForCausalLM.forward, lean_decode.decode_step, []
+
+    def decode_step_begins() -> None:
+        decode_steps.append(1)
+        if len(decode_steps) == 3:
+            raise KeyboardInterrupt
 
     def forward(self, *args, **kwargs):
-        if kwargs["input_ids"].shape[1] == 1:  # one new token: a decode step
-            decode_steps.append(1)
-            if len(decode_steps) == 3:
-                raise KeyboardInterrupt
+        if kwargs["input_ids"].shape[1] == 1:  # one new token through the model's forward: a decode step
+            decode_step_begins()
         return real_forward(self, *args, **kwargs)
 
+    def lean_step(*args):  # a decode step through snapkv.lean_decode (the default for this model on CPU)
+        decode_step_begins()
+        return real_step(*args)
+
     monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
+    monkeypatch.setattr(lean_decode, "decode_step", lean_step)
     after = tmp_path / "after.snapkv"
     result = invoke("repl", str(SAMPLE), input=f"{REVENUE}\n{REVENUE}\n/save {after}\n")
     assert result.exit_code == 0, result.output
