@@ -132,10 +132,9 @@ def use_block_weights(model: torch.nn.Module) -> BlockReport:
     Nothing is swapped when the kernels are unavailable (the report says why)."""
     linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if type(child) is torch.nn.Linear]
-    try:
-        native.blockwise_kernels()
-    except native.NativeUnavailable as error:
-        return BlockReport(0, len(linears), 0, str(error))
+    reason = native.unavailable_reason()
+    if reason:
+        return BlockReport(0, len(linears), 0, reason)
     packed, block_bytes = 0, 0
     for parent, name, linear in linears:
         blocks = exact_blocks(linear.weight)

@@ -3,8 +3,9 @@ with ctypes.
 
 The shared library is cached under <snapkv home>/native/, named by a digest of the source, the compiler and
 its flags, so a changed kernel or compiler builds anew (about a second). Nothing depends on it: where there is
-no C compiler, the CPU lacks AVX2 and FMA, SNAPKV_NATIVE_KERNELS=0 is set, or compiling fails,
-`blockwise_kernels()` raises NativeUnavailable saying why, and callers stay on PyTorch.
+no C compiler, the CPU lacks AVX2 and FMA, or compiling fails, `blockwise_kernels()` raises NativeUnavailable
+saying why, and callers stay on PyTorch; `unavailable_reason()` also says when SNAPKV_NATIVE_KERNELS=0 turns
+them off (read where a model is set up, not on every product).
 """
 
 import ctypes
@@ -85,8 +86,6 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 def blockwise_kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit), or NativeUnavailable. Built and loaded once per process."""
-    if os.environ.get(DISABLE, "1") == "0":
-        raise NativeUnavailable(f"turned off by {DISABLE}=0")
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()
@@ -100,7 +99,9 @@ def blockwise_kernels() -> ctypes.CDLL:
 
 
 def unavailable_reason() -> str | None:
-    """None where the kernels load, else why not."""
+    """None where the kernels are to be used, else why not."""
+    if os.environ.get(DISABLE, "1") == "0":
+        return f"turned off by {DISABLE}=0"
     try:
         blockwise_kernels()
     except NativeUnavailable as error:

@@ -144,11 +144,10 @@ class Mixed:
         return self.high.nbytes + self.low.nbytes + heads * (-(-tokens // 8))
 
 
-def _token_index(chosen: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """(kv_heads, tokens) bool, as many True per head -> (kv_heads, count, head_dim) int64 gather index."""
-    heads = chosen.shape[0]
-    count = int(chosen[0].sum()) if heads else 0
-    return chosen.nonzero()[:, 1].reshape(heads, count, 1).expand(heads, count, head_dim)
+def _rows_of(chosen: torch.Tensor) -> torch.Tensor:
+    """(kv_heads, tokens) bool -> (count,) int64: the chosen rows of a (kv_heads * tokens, head_dim) view, a
+    head's tokens in order, head after head (the order a Mixed part holds them in)."""
+    return chosen.reshape(-1).nonzero().squeeze(1)
 
 
 def quantize_mixed(x: torch.Tensor, sharp: torch.Tensor, high: "Scheme", low: "Scheme") -> Mixed:
@@ -156,9 +155,10 @@ def quantize_mixed(x: torch.Tensor, sharp: torch.Tensor, high: "Scheme", low: "S
     quantized with `high`, the rest with `low`, each part as a tensor of its own."""
     if sharp.shape != x.shape[:2] or bool((sharp.sum(dim=1) != sharp[:1].sum()).any()):
         raise ValueError("a sharper share must pick as many tokens in every head")
-    head_dim = x.shape[2]
-    return Mixed(sharp, quantize(x.gather(1, _token_index(sharp, head_dim)), high),
-                 quantize(x.gather(1, _token_index(~sharp, head_dim)), low))
+    heads, _, head_dim = x.shape
+    rows = x.reshape(-1, head_dim)  # (kv_heads * tokens, head_dim)
+    return Mixed(sharp, quantize(rows.index_select(0, _rows_of(sharp)).reshape(heads, -1, head_dim), high),
+                 quantize(rows.index_select(0, _rows_of(~sharp)).reshape(heads, -1, head_dim), low))
 
 
 def _grouped(x: torch.Tensor, axis: int, group: int) -> torch.Tensor:
@@ -232,11 +232,10 @@ def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float3
         heads, tokens, head_dim = quantized.shape
         device = quantized.high.packed.device
         out = torch.empty(quantized.shape, dtype=dtype, device=device)
-        rows = out.view(heads * tokens, head_dim)  # a head's tokens in order, head after head
-        sharp = quantized.sharp.to(device).reshape(heads * tokens)
+        rows = out.view(heads * tokens, head_dim)
+        sharp = quantized.sharp.to(device)
         for chosen, part in ((sharp, quantized.high), (~sharp, quantized.low)):
-            # each part holds its tokens in the same order: head after head, in order within a head
-            rows.index_copy_(0, chosen.nonzero().squeeze(1), dequantize(part, dtype).reshape(-1, head_dim))
+            rows.index_copy_(0, _rows_of(chosen), dequantize(part, dtype).reshape(-1, head_dim))
         return out
     q = _unpack(quantized.packed, quantized.scheme.bits).float()
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)
