@@ -71,15 +71,15 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
 
 def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torch.Tensor:
     """x (rows, in) fp32 contiguous, rows <= native.MAX_ROWS -> (rows, out) = x @ W^T, W given as blocks."""
-    kernels = native.blockwise_kernels()
+    library = native.kernels()
     rows, inputs = x.shape
     y = torch.empty(rows, out_features)
     threads = torch.get_num_threads()
     if blocks.bits == 4:
-        status = kernels.matmul_4bit(x.data_ptr(), rows, inputs, blocks.codes.data_ptr(), blocks.scale.data_ptr(),
+        status = library.matmul_4bit(x.data_ptr(), rows, inputs, blocks.codes.data_ptr(), blocks.scale.data_ptr(),
                                      blocks.minimum.data_ptr(), out_features, y.data_ptr(), threads)
     else:
-        status = kernels.matmul_8bit(x.data_ptr(), rows, inputs, blocks.codes.data_ptr(), blocks.scale.data_ptr(),
+        status = library.matmul_8bit(x.data_ptr(), rows, inputs, blocks.codes.data_ptr(), blocks.scale.data_ptr(),
                                      out_features, y.data_ptr(), threads)
     if status != 0:
         raise ValueError(f"the blockwise kernel refused {rows} rows of {inputs}")

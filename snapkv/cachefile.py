@@ -291,7 +291,10 @@ def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[in
 
 
 def _check_layer(path: Path, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                 length: int, identity: dict | None) -> None:
+                 length: int, identity: dict | None, dequantized: bool = False) -> None:
+    """dequantized: keys and values were rebuilt from codes whose scales and minimums are checked finite
+    (snapkv.quantize: at most 255 x 65504 per value, summed over a head by the rotation), so cannot hold
+    NaN or infinity and are not read again to tell."""
     if keys.dim() != 3 or keys.shape != values.shape or positions.shape != keys.shape[:2]:
         raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {tuple(keys.shape)}, "
                              f"{tuple(values.shape)}, {tuple(positions.shape)})")
@@ -301,7 +304,7 @@ def _check_layer(path: Path, index: int, keys: torch.Tensor, values: torch.Tenso
     if positions.numel() and (positions.min() < 0 or positions.max() >= length
                               or bool((positions[:, 1:] <= positions[:, :-1]).any())):
         raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
-    if not (_all_finite(keys) and _all_finite(values)):
+    if not dequantized and not (_all_finite(keys) and _all_finite(values)):
         raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
 
 
@@ -431,8 +434,9 @@ def load_cache(path: Path, *, identity: dict | None = None,
         found = _layers_format_1(path, tensors, length, layers)
     else:
         found = _layers_format_2(path, tensors, metadata, length, layers)
-    for index, (keys, values, positions, _) in enumerate(found):
-        _check_layer(path, index, keys, values, positions, length, identity)
+    for index, (keys, values, positions, stored) in enumerate(found):
+        dequantized = stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
+        _check_layer(path, index, keys, values, positions, length, identity, dequantized)
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
     if len(devices) != layers:
         raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")

@@ -12,6 +12,7 @@ from typing import Iterator
 
 import torch
 
+from . import cpu_attention
 from .architectures import attention_layers, window_queries
 from .config import Cut
 from .scoring import gather_positions, kept_indices
@@ -44,7 +45,20 @@ def cache_argument(kwargs: dict):
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
+def _scores_from_attention(method, captured: torch.Tensor | None, keys: torch.Tensor,
+                           window: int) -> torch.Tensor | None:
+    """The method's scores from the attention weights the layer just computed (snapkv.cpu_attention keeps
+    them in fp32 for a few query rows), or None where there are none for these keys or the method cannot
+    use them. captured: (batch, kv_heads, group, rows, n), softmax over all n keys, causal among the rows."""
+    n = keys.shape[2]
+    if (captured is None or not hasattr(method, "score_weights") or captured.shape[-1] != n
+            or captured.shape[-2] < window):
+        return None
+    return method.score_weights(captured[..., -window:, : n - window])
+
+
 def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
+    captured = module.__dict__.pop(cpu_attention.CAPTURED, None)  # this forward's, used once or dropped
     cache = cache_argument(kwargs)
     if cache is None:
         return
@@ -55,11 +69,13 @@ def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) ->
     window = min(plan.window, hidden_states.shape[1])
     if n <= plan.prefix_keep + window:
         return  # nothing to drop: the layer is left whole
-    cos, sin = kwargs["position_embeddings"]
-    queries = window_queries(
-        module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
-    )
-    scores = plan.cut.method.score(queries, keys, module.scaling)  # (batch, kv_heads, n - window)
+    scores = _scores_from_attention(plan.cut.method, captured, keys, window)
+    if scores is None:  # the window's queries again, and their attention onto every key
+        cos, sin = kwargs["position_embeddings"]
+        queries = window_queries(
+            module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
+        )
+        scores = plan.cut.method.score(queries, keys, module.scaling)  # (batch, kv_heads, n - window)
     indices = kept_indices(scores, plan.prefix_keep, window)
     layer.keys = gather_positions(keys, indices)
     layer.values = gather_positions(values, indices)
@@ -69,13 +85,18 @@ def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) ->
 @contextmanager
 def compressing(model, plan: CompressionPlan) -> Iterator[CompressionPlan]:
     """Within the block, every compressible attention layer cuts its cache to the plan after it runs."""
-    handles = []
+    handles, capturing = [], []
     try:
         for layer in attention_layers(model):
             if layer.compressible:
                 hook = partial(_compress_layer_hook, plan)
                 handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
+                capturing.append(layer.module)
+                setattr(layer.module, cpu_attention.CAPTURE, True)
         yield plan
     finally:
         for handle in handles:
             handle.remove()
+        for module in capturing:
+            module.__dict__.pop(cpu_attention.CAPTURE, None)
+            module.__dict__.pop(cpu_attention.CAPTURED, None)

@@ -22,6 +22,9 @@ NAME = "snapkv_cpu_decode"
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 SHORT_QUERY = 64  # at most this many query rows take the matmuls: a question; a prompt's block goes to sdpa
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+# A module with CAPTURE set (snapkv.compress, while it cuts a cache) gets its fp32 attention weights kept
+# as CAPTURED, (batch, kv_heads, group, q, n), so that scoring the window need not compute them again.
+CAPTURE, CAPTURED = "snapkv_capture_weights", "snapkv_captured_weights"
 
 
 def _plain_decode(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
@@ -36,6 +39,21 @@ def _plain_decode(query: torch.Tensor, key: torch.Tensor, attention_mask, dropou
     return (rows <= SHORT_QUERY and mask_fits and query.device.type == "cpu" and dtype_fits
             and query.shape[1] % key.shape[1] == 0 and not dropout
             and not kwargs.get("output_attentions") and all(kwargs.get(name) is None for name in UNSUPPORTED))
+
+
+def _apply_mask(scores: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    """In place: scores (batch, kv_heads, group, q, n) masked by attention_mask (batch, 1, q, n), True / 0
+    where attended. Where every row attends to all of the first n - q keys (a question after its cache), only
+    the last q columns are touched."""
+    rows, n = attention_mask.shape[-2:]
+    attended = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    start = n - rows if rows < n and bool(attended[..., : n - rows].all()) else 0
+    mask = attention_mask[..., start:].unsqueeze(1)  # (batch, 1, 1, q, n - start)
+    tail = scores[..., start:]
+    if mask.dtype == torch.bool:
+        tail.masked_fill_(~mask, float("-inf"))
+    else:
+        tail.add_(mask.float())
 
 
 def decodes_by_matmuls(model, keys: torch.Tensor) -> bool:
@@ -61,14 +79,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     grouped = query.reshape(batch, kv_heads, group * rows, head_dim)
     scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (batch, kv_heads, group * q, n)
     if attention_mask is not None:  # (batch, 1, q, n): True / 0 where attended
-        scores = scores.view(batch, kv_heads, group, rows, -1)
-        mask = attention_mask.unsqueeze(1)  # (batch, 1, 1, q, n)
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask.float()
-        scores = scores.view(batch, kv_heads, group * rows, -1)
-    weights = scores.softmax(dim=-1).to(value.dtype)
+        _apply_mask(scores.view(batch, kv_heads, group, rows, -1), attention_mask)
+    weights = scores.softmax(dim=-1)
+    if getattr(module, CAPTURE, False) and query.dtype == torch.float32:  # for snapkv.compress's scoring
+        setattr(module, CAPTURED, weights.view(batch, kv_heads, group, rows, -1))
+    weights = weights.to(value.dtype)
     output = torch.matmul(weights, value)  # (batch, kv_heads, group * q, head_dim)
     return output.view(batch, heads, rows, head_dim).transpose(1, 2).contiguous(), None
 

@@ -72,11 +72,19 @@ class SnapKV:
         _check_pooling(self.kernel, self.pooling)
 
     def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        from .scoring import mean_over_query_groups, pool_scores, window_attention_scores
+        from .scoring import window_attention_weights
 
-        scores = window_attention_scores(window_queries, keys, scaling)  # (batch, q_heads, n - w)
+        return self.score_weights(window_attention_weights(window_queries, keys, scaling))
+
+    def score_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The same scores from the window's attention weights as attention computed them: weights (batch,
+        kv_heads, group, w, n - w), softmax over all n keys -> (batch, kv_heads, n - w)."""
+        from .scoring import mean_over_query_groups, pool_scores
+
+        batch, kv_heads, group, _, earlier = weights.shape
+        scores = weights.sum(dim=-2).reshape(batch, kv_heads * group, earlier)  # (batch, q_heads, n - w)
         scores = pool_scores(scores, self.kernel, self.pooling)
-        return mean_over_query_groups(scores, keys.shape[1])  # (batch, kv_heads, n - w)
+        return mean_over_query_groups(scores, kv_heads)  # (batch, kv_heads, n - w)
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         raise ConfigError("snapkv scores during the prefill, with the prompt's tail as its window")

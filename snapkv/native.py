@@ -1,10 +1,10 @@
-"""snapkv's C kernels (snapkv/kernels/*.c): compiled once per machine with the system's C compiler, loaded
-with ctypes.
+"""snapkv's C kernels (snapkv/kernels/*.c: products with 4/8-bit weight blocks, dequantizing a saved cache):
+compiled once per machine with the system's C compiler into one shared library, loaded with ctypes.
 
-The shared library is cached under <snapkv home>/native/, named by a digest of the source, the compiler and
-its flags, so a changed kernel or compiler builds anew (about a second). Nothing depends on it: where there is
-no C compiler, the CPU lacks AVX2 and FMA, or compiling fails, `blockwise_kernels()` raises NativeUnavailable
-saying why, and callers stay on PyTorch; `unavailable_reason()` also says when SNAPKV_NATIVE_KERNELS=0 turns
+The library is cached under <snapkv home>/native/, named by a digest of the sources, the compiler and its
+flags, so a changed kernel or compiler builds anew (about a second). Nothing depends on it: where there is
+no C compiler, the CPU lacks AVX2 and FMA, or compiling fails, `kernels()` raises NativeUnavailable saying
+why, and callers stay on PyTorch; `unavailable_reason()` also says when SNAPKV_NATIVE_KERNELS=0 turns
 them off (read where a model is set up, not on every product).
 """
 
@@ -18,8 +18,9 @@ from importlib import resources
 
 from .paths import snapkv_home
 
-SOURCE = "blockwise_matmul.c"
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+SOURCES = ("blockwise_matmul.c", "dequantize.c")
+# -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "SNAPKV_NATIVE_KERNELS"  # =0 turns the kernels off (measure against PyTorch)
 MAX_ROWS = 64  # as in the C source
 
@@ -41,27 +42,30 @@ def _cpu_supports_kernels() -> bool:
     return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
 
 
-def _build(source: bytes, compiler: str) -> str:
-    """The path of the compiled library, compiling it first if this source and compiler have none yet."""
-    digest = hashlib.sha256(source + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+def _build(sources: dict[str, bytes], compiler: str) -> str:
+    """The path of the compiled library, compiling it first if these sources and compiler have none yet."""
+    material = b"".join(name.encode() + text for name, text in sources.items())
+    digest = hashlib.sha256(material + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     folder = snapkv_home() / "native"
-    library = folder / f"{SOURCE.removesuffix('.c')}-{digest}.so"
+    library = folder / f"kernels-{digest}.so"
     if library.exists():
         return str(library)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        source_file = os.path.join(scratch, SOURCE)
-        with open(source_file, "wb") as handle:
-            handle.write(source)
+        source_files = []
+        for name, text in sources.items():
+            source_files.append(os.path.join(scratch, name))
+            with open(source_files[-1], "wb") as handle:
+                handle.write(text)
         built = os.path.join(scratch, "built.so")
         try:
-            result = subprocess.run([compiler, *FLAGS, source_file, "-o", built], capture_output=True, text=True,
+            result = subprocess.run([compiler, *FLAGS, *source_files, "-o", built], capture_output=True, text=True,
                                     timeout=120)
         except (OSError, subprocess.TimeoutExpired) as error:
             raise NativeUnavailable(f"could not run the C compiler {compiler}: {error}") from error
         if result.returncode != 0:
             first = (result.stderr.strip().splitlines() or ["no message"])[0]
-            raise NativeUnavailable(f"compiling {SOURCE} failed: {first}")
+            raise NativeUnavailable(f"compiling {', '.join(sources)} failed: {first}")
         os.replace(built, library)  # whole or absent: another process may be loading it
     return str(library)
 
@@ -69,23 +73,25 @@ def _build(source: bytes, compiler: str) -> str:
 def _load() -> ctypes.CDLL:
     if not _cpu_supports_kernels():
         raise NativeUnavailable("this CPU lacks AVX2 and FMA")
-    source = resources.files("snapkv").joinpath("kernels", SOURCE).read_bytes()
+    sources = {name: resources.files("snapkv").joinpath("kernels", name).read_bytes() for name in SOURCES}
     try:
-        library = ctypes.CDLL(_build(source, _compiler()))
+        library = ctypes.CDLL(_build(sources, _compiler()))
     except OSError as error:
         raise NativeUnavailable(f"could not load the compiled kernels: {error}") from error
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.matmul_4bit.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
     library.matmul_8bit.argtypes = [pointer, size, size, pointer, pointer, size, pointer, ctypes.c_int]
-    library.matmul_4bit.restype = library.matmul_8bit.restype = ctypes.c_int
+    library.dequantize_rows.argtypes = [pointer, pointer, pointer, size, size, size, ctypes.c_int, ctypes.c_int, size,
+                                        size, pointer, pointer, ctypes.c_int]
+    library.matmul_4bit.restype = library.matmul_8bit.restype = library.dequantize_rows.restype = ctypes.c_int
     return library
 
 
 _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of this process
 
 
-def blockwise_kernels() -> ctypes.CDLL:
-    """The loaded library (matmul_4bit, matmul_8bit), or NativeUnavailable. Built and loaded once per process."""
+def kernels() -> ctypes.CDLL:
+    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()
@@ -103,7 +109,7 @@ def unavailable_reason() -> str | None:
     if os.environ.get(DISABLE, "1") == "0":
         return f"turned off by {DISABLE}=0"
     try:
-        blockwise_kernels()
+        kernels()
     except NativeUnavailable as error:
         return str(error)
     return None

@@ -17,6 +17,7 @@ from math import gcd
 
 import torch
 
+from . import native
 from .bits import SUPPORTED_BITS, Bits
 
 # Axis of the (kv_heads, tokens, head_dim) tensors along which a group runs.
@@ -226,21 +227,41 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
     return Quantized(_pack(q.to(torch.uint8), scheme.bits), scale, minimum, tuple(x.shape), scheme)
 
 
+def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: torch.Tensor | None) -> bool:
+    """Dequantize into `rows` (kv_heads * tokens or more, head_dim) fp32 with the C kernel, row (head, token)
+    at destination[head * tokens + token] (None: in order); False where the kernel is not to be used here."""
+    if rows.dtype != torch.float32 or rows.device.type != "cpu" or native.unavailable_reason() is not None:
+        return False
+    heads, tokens, head_dim = quantized.shape
+    scheme = quantized.scheme
+    packed, scale, minimum = (t.contiguous() for t in (quantized.packed, quantized.scale, quantized.minimum))
+    status = native.kernels().dequantize_rows(
+        packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), heads, tokens, head_dim, scheme.bits,
+        int(scheme.axis == TOKENS), scheme.group, (head_dim & -head_dim) if scheme.rotated else 0,
+        None if destination is None else destination.data_ptr(), rows.data_ptr(), torch.get_num_threads())
+    return status == 0
+
+
 def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(kv_heads, tokens, head_dim) in `dtype`."""
+    """(kv_heads, tokens, head_dim) in `dtype`. In fp32 on a CPU with snapkv's C kernels, one pass in C
+    (snapkv/kernels/dequantize.c: the same values, a rotated tensor within rounding); else PyTorch's ops."""
+    out = torch.empty(quantized.shape, dtype=dtype, device=quantized.scale.device
+                      if isinstance(quantized, Quantized) else quantized.high.scale.device)
+    heads, tokens, head_dim = quantized.shape
+    rows = out.view(heads * tokens, head_dim)
     if isinstance(quantized, Mixed):
-        heads, tokens, head_dim = quantized.shape
-        device = quantized.high.packed.device
-        out = torch.empty(quantized.shape, dtype=dtype, device=device)
-        rows = out.view(heads * tokens, head_dim)
-        sharp = quantized.sharp.to(device)
+        sharp = quantized.sharp.to(out.device)
         for chosen, part in ((sharp, quantized.high), (~sharp, quantized.low)):
-            rows.index_copy_(0, _rows_of(chosen), dequantize(part, dtype).reshape(-1, head_dim))
+            destination = _rows_of(chosen)
+            if not _dequantize_natively(part, rows, destination):
+                rows.index_copy_(0, destination, dequantize(part, dtype).reshape(-1, head_dim))
+        return out
+    if _dequantize_natively(quantized, rows, None):
         return out
     q = _unpack(quantized.packed, quantized.scheme.bits).float()
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)
     x = _ungrouped(x, quantized.shape, quantized.scheme.axis)
-    return (_rotate(x) if quantized.scheme.rotated else x).to(dtype).contiguous()
+    return out.copy_(_rotate(x) if quantized.scheme.rotated else x)
 
 
 def storage_dtype(compute: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:

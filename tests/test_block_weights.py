@@ -155,7 +155,7 @@ def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setattr(native, "_cpu_supports_kernels", lambda: True)
     with pytest.raises(native.NativeUnavailable, match="C compiler"):
-        native.blockwise_kernels()
+        native.kernels()
     assert "C compiler" in native.unavailable_reason()  # remembered: not tried again per call
     assert not list((tmp_path / "home" / "native").glob("*.so"))
 
@@ -165,7 +165,7 @@ def test_a_compile_error_is_a_reason_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_cpu_supports_kernels", lambda: True)
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DSNAPKV_BROKEN", "-include", "no_such_header.h"))
     with pytest.raises(native.NativeUnavailable, match="compiling"):
-        native.blockwise_kernels()
+        native.kernels()
     folder = tmp_path / "home" / "native"
     assert not folder.exists() or not any(folder.iterdir())
 

@@ -205,6 +205,35 @@ def test_query_aware_pass_keeps_the_budget_and_the_question():
     assert set(tuple(v) for v in lengths.values()) == {(PROMPT_LENGTH, config.cut.prefix_keep + question.shape[0])}
 
 
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
+def test_the_question_pass_scores_from_the_attention_it_computed(name, monkeypatch):
+    """In fp32 on CPU the question's attention weights (snapkv.cpu_attention) serve SnapKV's scoring: no
+    layer computes the window's queries again, and every layer keeps what scoring from scratch keeps."""
+    from snapkv import compress, cpu_attention
+    from snapkv.generation import run_forward
+
+    model = build_tiny(name, attn_implementation=cpu_attention.NAME)
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 20), None)
+    question = random_ids(6, 21)
+    positions = torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)
+    recomputed = []
+    window_queries = compress.window_queries
+    monkeypatch.setattr(compress, "window_queries", lambda *a: recomputed.append(1) or window_queries(*a))
+    found = {}
+    for reuse in (True, False):
+        if not reuse:
+            monkeypatch.setattr(compress, "_scores_from_attention", lambda *a: None)
+        plan = CompressionPlan(Cut(budget=24, window=8), window=6)
+        with compressing(model, plan):
+            logits = run_forward(model, question.unsqueeze(0), cache.to_dynamic_cache(model.config), positions)
+        found[reuse] = (logits, plan.kept, len(recomputed))
+        assert not any(hasattr(layer.module, cpu_attention.CAPTURED) for layer in attention_layers(model))
+    layers = len(attention_layers(model))
+    assert found[True][2] == 0 and found[False][2] == layers and len(found[True][1]) == layers
+    assert all(torch.equal(found[True][1][i], found[False][1][i]) for i in found[False][1])
+    assert torch.allclose(found[True][0], found[False][0], atol=1e-5)
+
+
 def test_positions_continue_at_original_length():
     model = build_tiny("llama-gqa")
     cache = prefill(model, random_ids(PROMPT_LENGTH, 12), Cut(budget=24, window=8))
@@ -386,7 +415,9 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
     rows = torch.randn(1, 6, 5, 16)
     causal = torch.ones(5, 40, dtype=torch.bool).tril(diagonal=35).expand(1, 1, 5, 40)
     cases = [(query, mask) for mask in (None, allowed, torch.zeros(1, 1, 1, 40).masked_fill(~allowed, float("-inf")))]
-    cases += [(rows, mask) for mask in (causal, torch.zeros(1, 1, 5, 40).masked_fill(~causal, float("-inf")))]
+    windowed = causal & allowed  # the rows' first positions masked too: the whole mask applies
+    cases += [(rows, mask) for mask in (causal, torch.zeros(1, 1, 5, 40).masked_fill(~causal, float("-inf")),
+                                        windowed, torch.zeros(1, 1, 5, 40).masked_fill(~windowed, float("-inf")))]
     for queries, mask in cases:  # boolean or additive masks
         expected, _ = sdpa_attention.sdpa_attention_forward(module, queries, key, value, mask, scaling=0.25)
         calls = []

@@ -13,6 +13,8 @@ from snapkv.documents import Document
 from snapkv.errors import CacheFileError
 from snapkv.generation import answer, prefill
 from snapkv.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
+from snapkv import native
+from snapkv import quantize as quantize_module
 from snapkv.bits import Bits
 from snapkv.quantize import CHANNELS, TOKENS, Mixed, Scheme, dequantize, quantize, quantize_mixed, stored_schemes
 from snapkv.session import Session
@@ -74,6 +76,43 @@ def test_the_rotation_is_undone_and_evens_out_an_outlier_channel():
     assert Scheme.from_dict(rotated.to_dict()) == rotated and Scheme.from_dict(plain.to_dict()) == plain
     with pytest.raises(ValueError, match="rotation"):
         Scheme.from_dict({**rotated.to_dict(), "rotation": "random"})
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("rotated", [False, True])
+def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch):
+    """snapkv/kernels/dequantize.c gives PyTorch's values: the same bits unrotated, within fp32 rounding
+    rotated (its transform sums in another order), for both axes, uneven group tails, head_dim 64 and 96
+    (a rotation block of 32), and a Mixed tensor's rows put back in place."""
+    torch.manual_seed(bits)
+    cases = [(torch.randn(3, 301, 64) * torch.linspace(0.1, 8, 64), ((TOKENS, 128), (TOKENS, 32), (CHANNELS, 64),
+                                                                     (CHANNELS, 16))),
+             (torch.randn(2, 45, 96), ((TOKENS, 32), (CHANNELS, 96)))]
+    sharp = torch.zeros(3, 301, dtype=torch.bool)
+    for head in range(3):
+        sharp[head, torch.randperm(301)[:60]] = True
+    for x, layouts in cases:
+        for axis, group in layouts:
+            quantized = quantize(x, Scheme(bits, axis, group, rotated))
+            heads, tokens, head_dim = x.shape
+            rows = torch.full((heads * tokens, head_dim), float("nan"))
+            assert quantize_module._dequantize_natively(quantized, rows, None)  # the kernel takes it
+            monkeypatch.setenv(native.DISABLE, "0")
+            assert not quantize_module._dequantize_natively(quantized, rows, None)
+            reference = dequantize(quantized)  # PyTorch's ops
+            monkeypatch.delenv(native.DISABLE)
+            found = dequantize(quantized)
+            assert torch.equal(rows.view(x.shape), found)
+            if rotated:
+                assert torch.allclose(found, reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
+            else:
+                assert torch.equal(found, reference)
+    mixed = quantize_mixed(cases[0][0], sharp, Scheme(8, TOKENS, 32), Scheme(bits, CHANNELS, 64, rotated))
+    monkeypatch.setenv(native.DISABLE, "0")
+    reference = dequantize(mixed)
+    monkeypatch.delenv(native.DISABLE)
+    assert torch.allclose(dequantize(mixed), reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
 
 
 def test_stored_bits_read_as_one_number_or_keys_over_values():

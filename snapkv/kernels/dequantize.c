@@ -1,0 +1,122 @@
+/* Saved keys or values back to fp32 in one pass: unpack the codes, scale and shift them, undo the Hadamard
+ * rotation with a fast Walsh-Hadamard transform, and write each row where it belongs.
+ *
+ * The layout is snapkv.quantize's (see Quantized there), for a (heads, tokens, head_dim) tensor:
+ *   packed:         (heads, other, groups, group * bits / 8) uint8, codes little-endian in a bit stream
+ *                   (the first code in the lowest bits of the first byte; a 3-bit code may span two bytes)
+ *   scale, minimum: (heads, other, groups) fp16
+ * where groups run along the tokens (other = head_dim: a channel's `group` consecutive tokens) or along the
+ * channels (other = tokens). x = code * scale + minimum, multiplied then added in fp32 as PyTorch does
+ * (this file is compiled with -ffp-contract=off, so the two are never fused), so an unrotated tensor comes
+ * back bit for bit as snapkv.quantize.dequantize's; a rotated one within rounding (the transform sums in
+ * another order than a matmul with the Hadamard matrix).
+ *
+ * Output row (h, t) goes to row destination[h * tokens + t] of `out` (head_dim floats per row), or to row
+ * h * tokens + t when destination is NULL. Rows are spread over `threads` OpenMP threads. */
+#include <immintrin.h>
+#include <stdint.h>
+
+#define MAX_HEAD_DIM 1024
+
+static inline unsigned code_at(const uint8_t *stream, int64_t index, int bits) {
+    int64_t offset = index * bits;
+    unsigned word = stream[offset >> 3];
+    if ((offset & 7) + bits > 8) word |= (unsigned)stream[(offset >> 3) + 1] << 8;
+    return (word >> (offset & 7)) & ((1u << bits) - 1);
+}
+
+static inline float half_to_float(uint16_t half) { return _cvtsh_ss(half); }
+
+/* v's 8 lanes after the transform's first three stages (pairs, quads, halves): lane i + half gets
+ * v[i] - v[i + half], lane i gets v[i + half] + v[i]. */
+static inline __m256 hadamard_8(__m256 v) {
+    const __m256 odd_negative = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
+    const __m256 pairs_negative = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
+    const __m256 half_negative = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
+    v = _mm256_add_ps(_mm256_permute_ps(v, 0xB1), _mm256_mul_ps(v, odd_negative));
+    v = _mm256_add_ps(_mm256_permute_ps(v, 0x4E), _mm256_mul_ps(v, pairs_negative));
+    return _mm256_add_ps(_mm256_permute2f128_ps(v, v, 1), _mm256_mul_ps(v, half_negative));
+}
+
+/* In place: each block of `size` values (a power of two) times the orthonormal Hadamard matrix. */
+static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm) {
+    for (int64_t start = 0; start < length; start += size) {
+        float *block = row + start;
+        int64_t half = 1;
+        if (size >= 8) {  /* the first three stages inside each run of 8 lanes */
+            for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(block + i, hadamard_8(_mm256_loadu_ps(block + i)));
+            for (half = 8; half < size; half *= 2)
+                for (int64_t i = 0; i < size; i += 2 * half)
+                    for (int64_t j = i; j < i + half; j += 8) {
+                        __m256 a = _mm256_loadu_ps(block + j), b = _mm256_loadu_ps(block + j + half);
+                        _mm256_storeu_ps(block + j, _mm256_add_ps(a, b));
+                        _mm256_storeu_ps(block + j + half, _mm256_sub_ps(a, b));
+                    }
+            const __m256 scale = _mm256_set1_ps(norm);
+            for (int64_t j = 0; j < size; j += 8) _mm256_storeu_ps(block + j, _mm256_mul_ps(_mm256_loadu_ps(block + j), scale));
+            continue;
+        }
+        for (; half < size; half *= 2)
+            for (int64_t i = 0; i < size; i += 2 * half)
+                for (int64_t j = i; j < i + half; j++) {
+                    float a = block[j], b = block[j + half];
+                    block[j] = a + b;
+                    block[j + half] = a - b;
+                }
+        for (int64_t j = 0; j < size; j++) block[j] *= norm;
+    }
+}
+
+/* Returns 0, or -1 for a shape this kernel does not take (head_dim past MAX_HEAD_DIM, bits not 2/3/4/8, a
+ * rotation block that is not a power of two dividing head_dim). */
+int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t heads,
+                    int64_t tokens, int64_t head_dim, int bits, int along_tokens, int64_t group,
+                    int64_t rotation_block, const int64_t *destination, float *out, int threads) {
+    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || !(bits == 2 || bits == 3 || bits == 4 || bits == 8) || group < 1)
+        return -1;
+    if (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)) return -1;
+    const int64_t extent = along_tokens ? tokens : head_dim;  /* the axis the groups run along */
+    const int64_t groups = (extent + group - 1) / group;
+    const int64_t group_bytes = group * bits / 8;
+    const float norm = rotation_block ? (float)(1.0 / __builtin_sqrt((double)rotation_block)) : 1.0f;
+    const int64_t token_groups = along_tokens ? groups : tokens;  /* keys: a group of tokens shares scales */
+    const int64_t tokens_per_task = along_tokens ? group : 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t task = 0; task < heads * token_groups; task++) {
+        const int64_t h = task / token_groups, first_token = (task % token_groups) * tokens_per_task;
+        const int64_t last_token = first_token + tokens_per_task < tokens ? first_token + tokens_per_task : tokens;
+        float values[MAX_HEAD_DIM], channel_scale[MAX_HEAD_DIM], channel_minimum[MAX_HEAD_DIM];
+        if (along_tokens)  /* channel c's group over these tokens: (h, c, task's group) */
+            for (int64_t c = 0; c < head_dim; c++) {
+                const int64_t at = (h * head_dim + c) * groups + first_token / group;
+                channel_scale[c] = half_to_float(scale[at]);
+                channel_minimum[c] = half_to_float(minimum[at]);
+            }
+        for (int64_t t = first_token; t < last_token; t++) {
+            const int64_t row = h * tokens + t;
+            if (along_tokens) {  /* the same place in each channel's group */
+                const int64_t in_group = t - first_token;
+                const uint8_t *codes = packed + ((h * head_dim) * groups + first_token / group) * group_bytes;
+                for (int64_t c = 0; c < head_dim; c++) {
+                    const float scaled = (float)code_at(codes + c * groups * group_bytes, in_group, bits) * channel_scale[c];
+                    values[c] = scaled + channel_minimum[c];
+                }
+            } else {  /* the row's channels, group after group */
+                for (int64_t g = 0; g < groups; g++) {
+                    const int64_t at = row * groups + g, start = g * group;
+                    const int64_t end = start + group < head_dim ? start + group : head_dim;
+                    const float group_scale = half_to_float(scale[at]), group_minimum = half_to_float(minimum[at]);
+                    const uint8_t *codes = packed + at * group_bytes;
+                    for (int64_t c = start; c < end; c++) {
+                        const float scaled = (float)code_at(codes, c - start, bits) * group_scale;
+                        values[c] = scaled + group_minimum;
+                    }
+                }
+            }
+            if (rotation_block) hadamard_blocks(values, head_dim, rotation_block, norm);
+            float *target = out + (destination ? destination[row] : row) * head_dim;
+            for (int64_t c = 0; c < head_dim; c++) target[c] = values[c];
+        }
+    }
+    return 0;
+}
