@@ -358,8 +358,10 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
                  _quantized_part(path, tensors, name, "", (heads, held - count, head_dim), storage, kind))
 
 
-def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int) -> list[tuple]:
-    """(keys, values, positions, stored pair) per layer of a format 2 file."""
+def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int,
+                     restore_dtype: torch.dtype) -> list[tuple]:
+    """(keys, values, positions, stored pair) per layer of a format 2 file; quantized parts restored in
+    restore_dtype."""
     storage = metadata.get("storage") or {}
     head_dim, kv_heads = storage.get("head_dim"), storage.get("kv_heads")
     try:
@@ -387,7 +389,7 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         shape = (kv_heads, positions.shape[1], head_dim)
         stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
                        for kind in ("keys", "values"))
-        restored = [part if isinstance(part, torch.Tensor) else dequantize(part) for part in stored]
+        restored = [part if isinstance(part, torch.Tensor) else dequantize(part, restore_dtype) for part in stored]
         quantized = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))
                      if isinstance(piece, Quantized)]
         for part in quantized:
@@ -433,7 +435,9 @@ def load_cache(path: Path, *, identity: dict | None = None,
     if metadata.get("storage", {}).get("format") == 1:
         found = _layers_format_1(path, tensors, length, layers)
     else:
-        found = _layers_format_2(path, tensors, metadata, length, layers)
+        # quantized parts straight into a bf16 model's dtype (one pass, as .to() would round), else fp32
+        restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype)
     for index, (keys, values, positions, stored) in enumerate(found):
         dequantized = stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
         _check_layer(path, index, keys, values, positions, length, identity, dequantized)

@@ -77,7 +77,10 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     scale = scaling if scaling is not None else head_dim**-0.5
     # the query heads of each KV head, their rows one after another: (batch, kv_heads, group * q, head_dim)
     grouped = query.reshape(batch, kv_heads, group * rows, head_dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # (batch, kv_heads, group * q, n)
+    if query.dtype == torch.float32:  # scaled on the few query rows rather than on every score
+        scores = torch.matmul(grouped * scale, key.transpose(-1, -2))  # (batch, kv_heads, group * q, n)
+    else:  # 16 bits: the products rounded once, then scaled in fp32
+        scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale
     if attention_mask is not None:  # (batch, 1, q, n): True / 0 where attended
         _apply_mask(scores.view(batch, kv_heads, group, rows, -1), attention_mask)
     weights = scores.softmax(dim=-1)

@@ -82,7 +82,7 @@ def _load() -> ctypes.CDLL:
     library.matmul_4bit.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, ctypes.c_int]
     library.matmul_8bit.argtypes = [pointer, size, size, pointer, pointer, size, pointer, ctypes.c_int]
     library.dequantize_rows.argtypes = [pointer, pointer, pointer, size, size, size, ctypes.c_int, ctypes.c_int, size,
-                                        size, pointer, pointer, ctypes.c_int]
+                                        size, pointer, pointer, ctypes.c_int, ctypes.c_int]
     library.matmul_4bit.restype = library.matmul_8bit.restype = library.dequantize_rows.restype = ctypes.c_int
     return library
 

@@ -227,10 +227,14 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
     return Quantized(_pack(q.to(torch.uint8), scheme.bits), scale, minimum, tuple(x.shape), scheme)
 
 
+NATIVE_OUTPUTS = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's out_kind
+
+
 def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: torch.Tensor | None) -> bool:
-    """Dequantize into `rows` (kv_heads * tokens or more, head_dim) fp32 with the C kernel, row (head, token)
-    at destination[head * tokens + token] (None: in order); False where the kernel is not to be used here."""
-    if rows.dtype != torch.float32 or rows.device.type != "cpu" or native.unavailable_reason() is not None:
+    """Dequantize into `rows` (kv_heads * tokens or more, head_dim), fp32 or bf16, with the C kernel, row
+    (head, token) at destination[head * tokens + token] (None: in order); False where the kernel is not to be
+    used here."""
+    if rows.dtype not in NATIVE_OUTPUTS or rows.device.type != "cpu" or native.unavailable_reason() is not None:
         return False
     heads, tokens, head_dim = quantized.shape
     scheme = quantized.scheme
@@ -238,12 +242,13 @@ def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: 
     status = native.kernels().dequantize_rows(
         packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), heads, tokens, head_dim, scheme.bits,
         int(scheme.axis == TOKENS), scheme.group, (head_dim & -head_dim) if scheme.rotated else 0,
-        None if destination is None else destination.data_ptr(), rows.data_ptr(), torch.get_num_threads())
+        None if destination is None else destination.data_ptr(), rows.data_ptr(), NATIVE_OUTPUTS[rows.dtype],
+        torch.get_num_threads())
     return status == 0
 
 
 def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """(kv_heads, tokens, head_dim) in `dtype`. In fp32 on a CPU with snapkv's C kernels, one pass in C
+    """(kv_heads, tokens, head_dim) in `dtype`. In fp32 or bf16 on a CPU with snapkv's C kernels, one pass in C
     (snapkv/kernels/dequantize.c: the same values, a rotated tensor within rounding); else PyTorch's ops."""
     out = torch.empty(quantized.shape, dtype=dtype, device=quantized.scale.device
                       if isinstance(quantized, Quantized) else quantized.high.scale.device)

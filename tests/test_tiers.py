@@ -108,6 +108,7 @@ def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch
                 assert torch.allclose(found, reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
             else:
                 assert torch.equal(found, reference)
+            assert torch.equal(dequantize(quantized, torch.bfloat16), found.bfloat16())  # rounded as PyTorch rounds
     mixed = quantize_mixed(cases[0][0], sharp, Scheme(8, TOKENS, 32), Scheme(bits, CHANNELS, 64, rotated))
     monkeypatch.setenv(native.DISABLE, "0")
     reference = dequantize(mixed)

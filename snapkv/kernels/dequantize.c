@@ -11,12 +11,15 @@
  * back bit for bit as snapkv.quantize.dequantize's; a rotated one within rounding (the transform sums in
  * another order than a matmul with the Hadamard matrix).
  *
- * Output row (h, t) goes to row destination[h * tokens + t] of `out` (head_dim floats per row), or to row
- * h * tokens + t when destination is NULL. Rows are spread over `threads` OpenMP threads. */
+ * Output row (h, t) goes to row destination[h * tokens + t] of `out` (head_dim values per row), or to row
+ * h * tokens + t when destination is NULL; `out` holds fp32, or bf16 rounded to nearest even as PyTorch
+ * rounds fp32 (OUT_BF16). Rows are spread over `threads` OpenMP threads. */
 #include <immintrin.h>
 #include <stdint.h>
 
 #define MAX_HEAD_DIM 1024
+#define OUT_FP32 0
+#define OUT_BF16 1
 
 static inline unsigned code_at(const uint8_t *stream, int64_t index, int bits) {
     int64_t offset = index * bits;
@@ -26,6 +29,13 @@ static inline unsigned code_at(const uint8_t *stream, int64_t index, int bits) {
 }
 
 static inline float half_to_float(uint16_t half) { return _cvtsh_ss(half); }
+
+static inline uint16_t float_to_bf16(float value) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
 
 /* v's 8 lanes after the transform's first three stages (pairs, quads, halves): lane i + half gets
  * v[i] - v[i + half], lane i gets v[i + half] + v[i]. */
@@ -71,8 +81,9 @@ static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm
  * rotation block that is not a power of two dividing head_dim). */
 int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t heads,
                     int64_t tokens, int64_t head_dim, int bits, int along_tokens, int64_t group,
-                    int64_t rotation_block, const int64_t *destination, float *out, int threads) {
-    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || !(bits == 2 || bits == 3 || bits == 4 || bits == 8) || group < 1)
+                    int64_t rotation_block, const int64_t *destination, void *out, int out_kind, int threads) {
+    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || !(bits == 2 || bits == 3 || bits == 4 || bits == 8) || group < 1
+        || !(out_kind == OUT_FP32 || out_kind == OUT_BF16))
         return -1;
     if (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)) return -1;
     const int64_t extent = along_tokens ? tokens : head_dim;  /* the axis the groups run along */
@@ -114,8 +125,11 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                 }
             }
             if (rotation_block) hadamard_blocks(values, head_dim, rotation_block, norm);
-            float *target = out + (destination ? destination[row] : row) * head_dim;
-            for (int64_t c = 0; c < head_dim; c++) target[c] = values[c];
+            const int64_t target = (destination ? destination[row] : row) * head_dim;
+            if (out_kind == OUT_BF16)
+                for (int64_t c = 0; c < head_dim; c++) ((uint16_t *)out)[target + c] = float_to_bf16(values[c]);
+            else
+                for (int64_t c = 0; c < head_dim; c++) ((float *)out)[target + c] = values[c];
         }
     }
     return 0;
