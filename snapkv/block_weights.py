@@ -10,7 +10,9 @@ over the fp32 weights, kept for that. Nothing is rounded: weights that are not e
 checkpoint) stay as they are.
 """
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,30 +44,46 @@ def _fp16_exact(values: torch.Tensor) -> bool:
     return bool((values.half().float() == values).all())
 
 
+def _four_bit(grouped: torch.Tensor) -> Blocks | None:
+    """grouped (out, blocks, 32) -> Q4_1 blocks that give back every weight exactly, or None."""
+    out, count, _ = grouped.shape
+    smallest = grouped.amin(dim=-1, keepdim=True)
+    scale = ((grouped.amax(dim=-1, keepdim=True) - smallest) / 15).half().float()
+    codes = ((grouped - smallest) / scale.where(scale > 0, 1.0)).round().clamp(0, 15)
+    if not (_fp16_exact(smallest) and torch.equal(codes * scale + smallest, grouped)):
+        return None
+    nibbles = codes.to(torch.uint8).reshape(out, count, 2, BLOCK // 2)  # halves: elements j, j + 16
+    packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)  # (out, blocks, 16)
+    return Blocks(4, packed.reshape(out, count * BLOCK // 2).contiguous(), scale.reshape(out, -1).contiguous(),
+                  smallest.reshape(out, -1).contiguous())
+
+
+def _eight_bit(grouped: torch.Tensor) -> Blocks | None:
+    """grouped (out, blocks, 32) -> Q8_0 blocks that give back every weight exactly, or None."""
+    out, count, _ = grouped.shape
+    scale = (grouped.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    codes = (grouped / scale.where(scale > 0, 1.0)).round().clamp(-127, 127)
+    if not torch.equal(codes * scale, grouped):
+        return None
+    return Blocks(8, codes.to(torch.int8).reshape(out, count * BLOCK).contiguous(), scale.reshape(out, -1).contiguous(),
+                  None)
+
+
 def exact_blocks(weight: torch.Tensor) -> Blocks | None:
-    """The 4-bit (tried first) or 8-bit blocks that give back every weight exactly in fp32, or None.
+    """The 4-bit or 8-bit blocks that give back every weight exactly in fp32, or None.
 
     weight: (out, in) fp32 on CPU, `in` a multiple of 32. 4-bit: a block's minimum is its smallest weight
     (q = 0) and its scale (largest - smallest) / 15 rounded to fp16, as Q4_1 quantizes; 8-bit: the scale is
     the largest magnitude / 127 in fp16, as Q8_0 does. Checked by rebuilding every weight as the GGUF loader
-    computes it (scale * q + minimum in fp32)."""
+    computes it (scale * q + minimum in fp32). The first row decides which form to try on the whole matrix,
+    so a float checkpoint's matrix is turned down after one row."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
     out, inputs = weight.shape
     grouped = weight.detach().reshape(out, inputs // BLOCK, BLOCK)  # (out, blocks, 32)
-    smallest = grouped.amin(dim=-1, keepdim=True)
-    scale = ((grouped.amax(dim=-1, keepdim=True) - smallest) / 15).half().float()
-    codes = ((grouped - smallest) / scale.where(scale > 0, 1.0)).round().clamp(0, 15)
-    if _fp16_exact(smallest) and torch.equal(codes * scale + smallest, grouped):
-        nibbles = codes.to(torch.uint8).reshape(out, inputs // BLOCK, 2, BLOCK // 2)  # halves: elements j, j + 16
-        packed = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)  # (out, blocks, 16)
-        return Blocks(4, packed.reshape(out, inputs // 2).contiguous(), scale.reshape(out, -1).contiguous(),
-                      smallest.reshape(out, -1).contiguous())
-    scale = (grouped.abs().amax(dim=-1, keepdim=True) / 127).half().float()
-    codes = (grouped / scale.where(scale > 0, 1.0)).round().clamp(-127, 127)
-    if torch.equal(codes * scale, grouped):
-        return Blocks(8, codes.to(torch.int8).reshape(out, inputs).contiguous(), scale.reshape(out, -1).contiguous(),
-                      None)
+    for form in (_four_bit, _eight_bit):
+        if form(grouped[:1]) is not None:
+            return form(grouped)
     return None
 
 
@@ -127,21 +145,110 @@ class BlockReport:
                 f"({self.block_bytes / 2**20:.0f} MiB)")
 
 
-def use_block_weights(model: torch.nn.Module) -> BlockReport:
+SAVED_NAME = "snapkv-blocks.safetensors"  # beside a converted model's weights
+SAVED_FORMAT = "snapkv-blocks-1"
+
+
+def _weights_stamp(folder: Path) -> str:
+    """What the saved blocks were found from: the folder's weight files, by name, size and modification time."""
+    files = sorted(path for path in folder.glob("*.safetensors") if path.name != SAVED_NAME)
+    return json.dumps([[path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in files])
+
+
+def _read_saved(folder: Path) -> dict[str, Blocks] | None:
+    """The blocks saved beside these very weight files (by layer name; a layer absent has none), or None."""
+    from safetensors import safe_open
+
+    path = folder / SAVED_NAME
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as saved:
+            metadata = saved.metadata() or {}
+            if metadata.get("format") != SAVED_FORMAT or metadata.get("weights") != _weights_stamp(folder):
+                return None
+            tensors = {name: saved.get_tensor(name) for name in saved.keys()}
+        found = {}
+        for name in json.loads(metadata["layers"]):
+            codes = tensors[f"{name}.codes"]
+            bits = 4 if codes.dtype == torch.uint8 else 8
+            found[name] = Blocks(bits, codes, tensors[f"{name}.scale"], tensors.get(f"{name}.minimum"))
+        return found
+    except Exception:  # unreadable or damaged: found again from the weights, and saved anew
+        return None
+
+
+def _save(folder: Path, found: dict[str, Blocks]) -> None:
+    """Save the blocks beside the weights (atomic; a failure only means finding them again next time)."""
+    from safetensors.torch import save_file
+
+    from .atomic import write_atomically
+    from .errors import StorageError
+
+    tensors = {}
+    for name, blocks in found.items():
+        tensors[f"{name}.codes"], tensors[f"{name}.scale"] = blocks.codes, blocks.scale
+        if blocks.minimum is not None:
+            tensors[f"{name}.minimum"] = blocks.minimum
+    metadata = {"format": SAVED_FORMAT, "weights": _weights_stamp(folder), "layers": json.dumps(sorted(found))}
+    try:
+        write_atomically(folder / SAVED_NAME, lambda temp: save_file(tensors, str(temp), metadata=metadata),
+                         "the weights' blocks")
+    except StorageError:
+        pass
+
+
+def _first_row_matches(blocks: Blocks, weight: torch.Tensor) -> bool:
+    """A saved Blocks' shape and first row against the weight it stands for (a cheap guard, not a proof)."""
+    out, inputs = weight.shape
+    per_row = inputs // 2 if blocks.bits == 4 else inputs
+    if tuple(blocks.codes.shape) != (out, per_row) or tuple(blocks.scale.shape) != (out, inputs // BLOCK):
+        return False
+    first = Blocks(blocks.bits, blocks.codes[:1], blocks.scale[:1],
+                   None if blocks.minimum is None else blocks.minimum[:1])
+    return torch.equal(unpacked(first), weight[:1].detach())
+
+
+def unpacked(blocks: Blocks) -> torch.Tensor:
+    """(out, in) fp32: the weights the blocks stand for, computed as the GGUF loader computes them."""
+    out = blocks.scale.shape[0]
+    if blocks.bits == 8:
+        codes = blocks.codes.float().reshape(out, -1, BLOCK)
+        return (codes * blocks.scale[..., None]).reshape(out, -1)
+    low, high = (blocks.codes & 0x0F), (blocks.codes >> 4)
+    codes = torch.stack([low.reshape(out, -1, BLOCK // 2), high.reshape(out, -1, BLOCK // 2)], dim=2).float()
+    codes = codes.reshape(out, -1, BLOCK)
+    return (codes * blocks.scale[..., None] + blocks.minimum[..., None]).reshape(out, -1)
+
+
+def use_block_weights(model: torch.nn.Module, saved_in: Path | None = None) -> BlockReport:
     """Swap every nn.Linear of `model` whose fp32 weight is exactly blocks for a BlockLinear; the rest stay.
-    Nothing is swapped when the kernels are unavailable (the report says why)."""
-    linears = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if type(child) is torch.nn.Linear]
+    Nothing is swapped when the kernels are unavailable (the report says why).
+
+    saved_in: the model's own folder where snapkv may keep what it found (a converted GGUF's, in the snapkv
+    home): read from SAVED_NAME there when it was found from these very weight files (about 0.1 s instead of
+    about 1 s to find them), else found and saved there."""
+    linears = [(f"{prefix}.{name}".lstrip("."), parent, name, child) for prefix, parent in model.named_modules()
+               for name, child in parent.named_children() if type(child) is torch.nn.Linear]
     reason = native.unavailable_reason()
     if reason:
         return BlockReport(0, len(linears), 0, reason)
-    packed, block_bytes = 0, 0
-    for parent, name, linear in linears:
-        blocks = exact_blocks(linear.weight)
-        if blocks is None:
-            continue
-        setattr(parent, name, BlockLinear(linear, blocks))
-        packed += 1
-        block_bytes += blocks.nbytes
-    reason = None if packed else "no linear layer's weights are exact 4/8-bit blocks"
-    return BlockReport(packed, len(linears), block_bytes, reason)
+    saved = _read_saved(saved_in) if saved_in is not None else None
+    outdated = saved is None
+    found: dict[str, Blocks] = {}
+    for qualified, parent, name, linear in linears:
+        if saved is not None and qualified in saved and _first_row_matches(saved[qualified], linear.weight):
+            blocks = saved[qualified]
+        elif saved is not None and qualified not in saved:
+            blocks = None  # found not to be blocks from these weight files
+        else:
+            blocks = exact_blocks(linear.weight)
+            outdated = True
+        if blocks is not None:
+            setattr(parent, name, BlockLinear(linear, blocks))
+            found[qualified] = blocks
+    if saved_in is not None and outdated:
+        _save(saved_in, found)
+    block_bytes = sum(blocks.nbytes for blocks in found.values())
+    reason = None if found else "no linear layer's weights are exact 4/8-bit blocks"
+    return BlockReport(len(found), len(linears), block_bytes, reason)

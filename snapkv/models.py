@@ -14,6 +14,7 @@ from .architectures import check_supported, layer_devices, text_config
 from .conversion import EMBEDDED_NAME, convert_gguf, embedded_gguf_path
 from .errors import ConfigError, ModelNotFoundError, OutOfMemoryError
 from .memory import USABLE_SHARE, free_bytes
+from .paths import models_dir
 from .prompting import Prompter
 
 
@@ -198,7 +199,8 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     if block_weights and torch_device.type == "cpu" and torch_dtype == torch.float32 and not device_map:
         from .block_weights import use_block_weights
 
-        weights = use_block_weights(model).describe()
+        own_folder = Path(source).resolve().is_relative_to(models_dir().resolve())  # a converted GGUF's
+        weights = use_block_weights(model, saved_in=Path(source) if own_folder else None).describe()
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights)
 
 

@@ -177,3 +177,54 @@ def test_embedded_model_decodes_from_its_gguf_blocks(embedded):
         pytest.skip(f"blocks are for fp32 on CPU with the kernels ({embedded.dtype}, {native.unavailable_reason()})")
     assert embedded.weights.startswith("211 of 211 linear layers"), embedded.weights
     assert weight_bytes_per_token(embedded.model) < 120 * 2**20  # 513 MiB in fp32
+
+
+@needs_kernels
+def test_blocks_found_once_are_read_back_beside_the_same_weight_files(tmp_path, monkeypatch):
+    """A converted model's blocks are saved beside its weight files and read back on the next load (nothing
+    found again); changed weight files, a saved matrix that does not match its weight, or a damaged file
+    make them found again and saved anew, with the same blocks."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")  # the stamp reads its name, size and time
+
+    def fresh_model():
+        model = build_tiny("llama-gqa")
+        snap_to_blocks(model)
+        return model
+
+    first = use_block_weights(fresh_model(), saved_in=folder)
+    saved = folder / block_weights.SAVED_NAME
+    assert first.packed == 22 and saved.is_file()
+    searches = []
+    real = block_weights.exact_blocks
+    monkeypatch.setattr(block_weights, "exact_blocks", lambda weight: searches.append(1) or real(weight))
+    model = fresh_model()
+    assert use_block_weights(model, saved_in=folder) == first and not searches  # read back, nothing searched
+    reference = fresh_model()
+    use_block_weights(reference)
+    read_back = {name: module.blocks for name, module in model.named_modules() if isinstance(module, BlockLinear)}
+    for name, module in reference.named_modules():
+        if isinstance(module, BlockLinear):
+            mine = read_back.pop(name)
+            assert mine.bits == module.blocks.bits and torch.equal(mine.codes, module.blocks.codes)
+            assert torch.equal(mine.scale, module.blocks.scale)
+            assert (mine.minimum is None) == (module.blocks.minimum is None)
+            assert mine.minimum is None or torch.equal(mine.minimum, module.blocks.minimum)
+    assert not read_back
+    searches.clear()  # the reference's own search
+
+    (folder / "model.safetensors").write_bytes(b"other weights")  # a new conversion: the stamp differs
+    assert use_block_weights(fresh_model(), saved_in=folder) == first and len(searches) == 22
+    searches.clear()
+    changed = fresh_model()
+    with torch.no_grad():
+        changed.model.layers[0].mlp.up_proj.weight.mul_(2)  # still blocks, but not the saved ones
+    assert use_block_weights(changed, saved_in=folder) == first and len(searches) == 1
+    assert torch.equal(block_weights.unpacked(changed.model.layers[0].mlp.up_proj.blocks),
+                       changed.model.layers[0].mlp.up_proj.weight)
+    searches.clear()
+    saved.write_bytes(b"not a safetensors file")
+    assert use_block_weights(fresh_model(), saved_in=folder) == first and len(searches) == 22
+    searches.clear()
+    assert use_block_weights(fresh_model(), saved_in=folder) == first and not searches  # saved anew
