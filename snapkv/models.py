@@ -199,9 +199,14 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     if block_weights and torch_device.type == "cpu" and torch_dtype == torch.float32 and not device_map:
         from .block_weights import use_block_weights
 
-        own_folder = Path(source).resolve().is_relative_to(models_dir().resolve())  # a converted GGUF's
-        weights = use_block_weights(model, saved_in=Path(source) if own_folder else None).describe()
+        weights = use_block_weights(model, saved_in=Path(source) if _converted_here(source) else None).describe()
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights)
+
+
+def _converted_here(source: str) -> bool:
+    """Whether a model folder is one snapkv converted (under its home's models/, itself or by a link)."""
+    path, home = Path(source), models_dir()
+    return path.absolute().is_relative_to(home.absolute()) or path.resolve().is_relative_to(home.resolve())
 
 
 def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto",
