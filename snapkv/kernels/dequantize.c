@@ -30,6 +30,25 @@ static inline unsigned code_at(const uint8_t *stream, int64_t index, int bits) {
 
 static inline float half_to_float(uint16_t half) { return _cvtsh_ss(half); }
 
+/* Codes first..first + 7 of a group (first a multiple of 8), times scale plus minimum, multiplied then
+ * added (as the scalar path and PyTorch do). The 8 codes fill `bits` whole bytes. */
+static inline __m256 decode_8(const uint8_t *codes, int64_t first, int bits, __m256 scale, __m256 minimum) {
+    __m256i q;
+    if (bits == 8) {
+        q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + first)));
+    } else {
+        const uint8_t *bytes = codes + first * bits / 8;
+        uint32_t word = bytes[0] | (uint32_t)bytes[1] << 8;  /* 2, 3 or 4 bytes: a constant-size read each */
+        if (bits >= 3) word |= (uint32_t)bytes[2] << 16;
+        if (bits == 4) word |= (uint32_t)bytes[3] << 24;
+        const __m256i shifts = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
+                             : bits == 3 ? _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21)
+                                         : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), _mm256_set1_epi32((1 << bits) - 1));
+    }
+    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), minimum);
+}
+
 static inline uint16_t float_to_bf16(float value) {
     uint32_t bits;
     __builtin_memcpy(&bits, &value, sizeof bits);
@@ -48,11 +67,31 @@ static inline __m256 hadamard_8(__m256 v) {
     return _mm256_add_ps(_mm256_permute2f128_ps(v, v, 1), _mm256_mul_ps(v, half_negative));
 }
 
+/* In place: 64 values times the orthonormal Hadamard matrix, in registers (the same sums, in the same order,
+ * as the general loop below). */
+static inline void hadamard_64(float *block, float norm) {
+    __m256 v[8];
+    for (int i = 0; i < 8; i++) v[i] = hadamard_8(_mm256_loadu_ps(block + 8 * i));
+    for (int half = 1; half < 8; half *= 2)  /* halves of 8, 16, 32 values: whole vectors apart */
+        for (int i = 0; i < 8; i += 2 * half)
+            for (int j = i; j < i + half; j++) {
+                __m256 a = v[j], b = v[j + half];
+                v[j] = _mm256_add_ps(a, b);
+                v[j + half] = _mm256_sub_ps(a, b);
+            }
+    const __m256 scale = _mm256_set1_ps(norm);
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(block + 8 * i, _mm256_mul_ps(v[i], scale));
+}
+
 /* In place: each block of `size` values (a power of two) times the orthonormal Hadamard matrix. */
 static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm) {
     for (int64_t start = 0; start < length; start += size) {
         float *block = row + start;
         int64_t half = 1;
+        if (size == 64) {
+            hadamard_64(block, norm);
+            continue;
+        }
         if (size >= 8) {  /* the first three stages inside each run of 8 lanes */
             for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(block + i, hadamard_8(_mm256_loadu_ps(block + i)));
             for (half = 8; half < size; half *= 2)
@@ -90,8 +129,9 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
     const int64_t groups = (extent + group - 1) / group;
     const int64_t group_bytes = group * bits / 8;
     const float norm = rotation_block ? (float)(1.0 / __builtin_sqrt((double)rotation_block)) : 1.0f;
-    const int64_t token_groups = along_tokens ? groups : tokens;  /* keys: a group of tokens shares scales */
-    const int64_t tokens_per_task = along_tokens ? group : 1;
+    /* a task: a group of tokens that share their scales (keys), or a run of 32 rows (values) */
+    const int64_t tokens_per_task = along_tokens ? group : 32;
+    const int64_t token_groups = (tokens + tokens_per_task - 1) / tokens_per_task;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < heads * token_groups; task++) {
         const int64_t h = task / token_groups, first_token = (task % token_groups) * tokens_per_task;
@@ -118,7 +158,11 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                     const int64_t end = start + group < head_dim ? start + group : head_dim;
                     const float group_scale = half_to_float(scale[at]), group_minimum = half_to_float(minimum[at]);
                     const uint8_t *codes = packed + at * group_bytes;
-                    for (int64_t c = start; c < end; c++) {
+                    int64_t c = start;
+                    const __m256 vector_scale = _mm256_set1_ps(group_scale), vector_minimum = _mm256_set1_ps(group_minimum);
+                    for (; c + 8 <= end; c += 8)
+                        _mm256_storeu_ps(values + c, decode_8(codes, c - start, bits, vector_scale, vector_minimum));
+                    for (; c < end; c++) {
                         const float scaled = (float)code_at(codes, c - start, bits) * group_scale;
                         values[c] = scaled + group_minimum;
                     }
