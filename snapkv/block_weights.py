@@ -75,15 +75,15 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
     weight: (out, in) fp32 on CPU, `in` a multiple of 32. 4-bit: a block's minimum is its smallest weight
     (q = 0) and its scale (largest - smallest) / 15 rounded to fp16, as Q4_1 quantizes; 8-bit: the scale is
     the largest magnitude / 127 in fp16, as Q8_0 does. Checked by rebuilding every weight as the GGUF loader
-    computes it (scale * q + minimum in fp32). The first row decides which form to try on the whole matrix,
-    so a float checkpoint's matrix is turned down after one row."""
+    computes it (scale * q + minimum in fp32). A form is tried on the whole matrix only where its first row
+    fits, so a float checkpoint's matrix is turned down after one row."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.shape[1] % BLOCK:
         return None
     out, inputs = weight.shape
     grouped = weight.detach().reshape(out, inputs // BLOCK, BLOCK)  # (out, blocks, 32)
     for form in (_four_bit, _eight_bit):
-        if form(grouped[:1]) is not None:
-            return form(grouped)
+        if form(grouped[:1]) is not None and (blocks := form(grouped)) is not None:
+            return blocks
     return None
 
 
@@ -146,7 +146,7 @@ class BlockReport:
 
 
 SAVED_NAME = "snapkv-blocks.safetensors"  # beside a converted model's weights
-SAVED_FORMAT = "snapkv-blocks-1"
+SAVED_FORMAT = "snapkv-blocks-1"  # with the names of the layers examined
 
 
 def _weights_stamp(folder: Path) -> str:
@@ -155,8 +155,9 @@ def _weights_stamp(folder: Path) -> str:
     return json.dumps([[path.name, path.stat().st_size, path.stat().st_mtime_ns] for path in files])
 
 
-def _read_saved(folder: Path) -> dict[str, Blocks] | None:
-    """The blocks saved beside these very weight files (by layer name; a layer absent has none), or None."""
+def _read_saved(folder: Path) -> tuple[set[str], dict[str, Blocks]] | None:
+    """What was found beside these very weight files: (the linear layers examined, by name; the blocks of
+    those that are blocks), or None (no file, other weight files, or unreadable)."""
     from safetensors import safe_open
 
     path = folder / SAVED_NAME
@@ -168,41 +169,48 @@ def _read_saved(folder: Path) -> dict[str, Blocks] | None:
             if metadata.get("format") != SAVED_FORMAT or metadata.get("weights") != _weights_stamp(folder):
                 return None
             tensors = {name: saved.get_tensor(name) for name in saved.keys()}
-        found = {}
+        examined, found = set(json.loads(metadata["examined"])), {}
         for name in json.loads(metadata["layers"]):
             codes = tensors[f"{name}.codes"]
-            bits = 4 if codes.dtype == torch.uint8 else 8
-            found[name] = Blocks(bits, codes, tensors[f"{name}.scale"], tensors.get(f"{name}.minimum"))
-        return found
+            found[name] = Blocks(4 if codes.dtype == torch.uint8 else 8, codes, tensors[f"{name}.scale"],
+                                 tensors.get(f"{name}.minimum"))
+        return examined, found
     except Exception:  # unreadable or damaged: found again from the weights, and saved anew
         return None
 
 
-def _save(folder: Path, found: dict[str, Blocks]) -> None:
-    """Save the blocks beside the weights (atomic; a failure only means finding them again next time)."""
+def _save(folder: Path, examined: list[str], found: dict[str, Blocks]) -> None:
+    """Save what was found beside the weights (atomic; any failure only means finding them again next time)."""
     from safetensors.torch import save_file
 
     from .atomic import write_atomically
-    from .errors import StorageError
 
     tensors = {}
     for name, blocks in found.items():
         tensors[f"{name}.codes"], tensors[f"{name}.scale"] = blocks.codes, blocks.scale
         if blocks.minimum is not None:
             tensors[f"{name}.minimum"] = blocks.minimum
-    metadata = {"format": SAVED_FORMAT, "weights": _weights_stamp(folder), "layers": json.dumps(sorted(found))}
     try:
+        metadata = {"format": SAVED_FORMAT, "weights": _weights_stamp(folder), "examined": json.dumps(sorted(examined)),
+                    "layers": json.dumps(sorted(found))}
         write_atomically(folder / SAVED_NAME, lambda temp: save_file(tensors, str(temp), metadata=metadata),
                          "the weights' blocks")
-    except StorageError:
+    except Exception:
         pass
 
 
-def _first_row_matches(blocks: Blocks, weight: torch.Tensor) -> bool:
-    """A saved Blocks' shape and first row against the weight it stands for (a cheap guard, not a proof)."""
+def _saved_fits(blocks: Blocks, weight: torch.Tensor) -> bool:
+    """Whether saved blocks can stand for `weight`: the dtypes and shapes the kernel reads (checked before it
+    ever reads them) and the first row rebuilt exactly (a cheap guard against a mix-up, not a proof)."""
     out, inputs = weight.shape
-    per_row = inputs // 2 if blocks.bits == 4 else inputs
-    if tuple(blocks.codes.shape) != (out, per_row) or tuple(blocks.scale.shape) != (out, inputs // BLOCK):
+    codes_form = (torch.uint8, (out, inputs // 2)) if blocks.bits == 4 else (torch.int8, (out, inputs))
+    parts = [(blocks.codes, *codes_form), (blocks.scale, torch.float32, (out, inputs // BLOCK))]
+    if (blocks.minimum is None) != (blocks.bits == 8):
+        return False
+    if blocks.minimum is not None:
+        parts.append((blocks.minimum, torch.float32, (out, inputs // BLOCK)))
+    if inputs % BLOCK or not all(part.dtype == dtype and tuple(part.shape) == shape and part.is_contiguous()
+                                 for part, dtype, shape in parts):
         return False
     first = Blocks(blocks.bits, blocks.codes[:1], blocks.scale[:1],
                    None if blocks.minimum is None else blocks.minimum[:1])
@@ -234,21 +242,22 @@ def use_block_weights(model: torch.nn.Module, saved_in: Path | None = None) -> B
     if reason:
         return BlockReport(0, len(linears), 0, reason)
     saved = _read_saved(saved_in) if saved_in is not None else None
+    examined, saved_blocks = saved if saved is not None else (set(), {})
     outdated = saved is None
     found: dict[str, Blocks] = {}
     for qualified, parent, name, linear in linears:
-        if saved is not None and qualified in saved and _first_row_matches(saved[qualified], linear.weight):
-            blocks = saved[qualified]
-        elif saved is not None and qualified not in saved:
-            blocks = None  # found not to be blocks from these weight files
-        else:
+        if qualified in saved_blocks and _saved_fits(saved_blocks[qualified], linear.weight):
+            blocks = saved_blocks[qualified]
+        elif qualified in examined and qualified not in saved_blocks:
+            blocks = None  # found not to be blocks in these weight files
+        else:  # not saved, or saved blocks that do not fit this weight
             blocks = exact_blocks(linear.weight)
             outdated = True
         if blocks is not None:
             setattr(parent, name, BlockLinear(linear, blocks))
             found[qualified] = blocks
     if saved_in is not None and outdated:
-        _save(saved_in, found)
+        _save(saved_in, [qualified for qualified, *_ in linears], found)
     block_bytes = sum(blocks.nbytes for blocks in found.values())
     reason = None if found else "no linear layer's weights are exact 4/8-bit blocks"
     return BlockReport(len(found), len(linears), block_bytes, reason)

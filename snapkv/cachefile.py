@@ -293,7 +293,7 @@ def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[in
 def _check_layer(path: Path, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                  length: int, identity: dict | None, dequantized: bool = False) -> None:
     """dequantized: keys and values were rebuilt from codes whose scales and minimums are checked finite
-    (snapkv.quantize: at most 255 x 65504 per value, summed over a head by the rotation), so cannot hold
+    (snapkv.quantize: at most 255 x 65504 + 65504 per value before the rotation sums a head's), so cannot hold
     NaN or infinity and are not read again to tell."""
     if keys.dim() != 3 or keys.shape != values.shape or positions.shape != keys.shape[:2]:
         raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {tuple(keys.shape)}, "

@@ -5,7 +5,9 @@ The library is cached under <snapkv home>/native/, named by a digest of the sour
 flags, so a changed kernel or compiler builds anew (about a second). Nothing depends on it: where there is
 no C compiler, the CPU lacks AVX2 and FMA, or compiling fails, `kernels()` raises NativeUnavailable saying
 why, and callers stay on PyTorch; `unavailable_reason()` also says when SNAPKV_NATIVE_KERNELS=0 turns
-them off (read where a model is set up, not on every product).
+them off (for the weight blocks read where a model is set up, not on every product; for a saved cache on
+each restore). -ffp-contract=off applies to both files: the block product's minimum term is a product and a
+sum, not one FMA.
 """
 
 import ctypes
@@ -67,6 +69,8 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
             first = (result.stderr.strip().splitlines() or ["no message"])[0]
             raise NativeUnavailable(f"compiling {', '.join(sources)} failed: {first}")
         os.replace(built, library)  # whole or absent: another process may be loading it
+    for obsolete in folder.glob("blockwise_matmul-*.so"):  # the library's name before it held two files
+        obsolete.unlink(missing_ok=True)
     return str(library)
 
 

@@ -7,8 +7,8 @@ along channels (per token). A scheme may first rotate each head's vectors by an 
 matrix, as QuaRot (arXiv 2404.00456) does: the rotation spreads outlier channels over all channels, so the
 groups hold evener values and round with less error; it is undone after dequantizing, so the model never sees
 it. A Mixed tensor keeps a share of each head's positions (the ones the model needs most) in more bits than
-the rest, as MiKV (arXiv 2402.18096) does. Pure tensor functions; what a file stores is snapkv.cachefile's
-business.
+the rest, as MiKV (arXiv 2402.18096) does. Tensor functions (dequantizing by snapkv's C kernel where it is
+available); what a file stores is snapkv.cachefile's business.
 """
 
 from dataclasses import dataclass

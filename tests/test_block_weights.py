@@ -1,5 +1,7 @@
 """Weights kept as exact 4/8-bit blocks and decoded by snapkv's C kernel (snapkv.block_weights, snapkv.native)."""
 
+import json
+
 import pytest
 import torch
 
@@ -67,6 +69,9 @@ def test_exact_blocks_give_back_every_weight(make, bits):
     assert blocks is not None and blocks.bits == bits
     assert torch.equal(rebuilt(blocks), weight)
     assert blocks.nbytes == weight.numel() * (0.75 if bits == 4 else 1.125)  # codes + fp32 scale (+ minimum) per 32
+    weight[0] = 0  # a first row that would fit 4-bit blocks too (one value per block): the rest decides
+    blocks = exact_blocks(weight)
+    assert blocks is not None and blocks.bits == bits and torch.equal(rebuilt(blocks), weight)
 
 
 def test_weights_that_are_not_blocks_are_left_alone():
@@ -228,3 +233,23 @@ def test_blocks_found_once_are_read_back_beside_the_same_weight_files(tmp_path, 
     assert use_block_weights(fresh_model(), saved_in=folder) == first and len(searches) == 22
     searches.clear()
     assert use_block_weights(fresh_model(), saved_in=folder) == first and not searches  # saved anew
+
+    # a file that reads but does not fit: a scale in fp16 (the kernel reads fp32), a layer whose name it
+    # never examined (renamed modules): those are searched again, and the file saved anew
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(saved), framework="pt") as handle:
+        metadata, tensors = handle.metadata(), {name: handle.get_tensor(name) for name in handle.keys()}
+    name = "model.layers.1.self_attn.o_proj"
+    tensors[f"{name}.scale"] = tensors[f"{name}.scale"].half()
+    examined = json.loads(metadata["examined"])
+    examined.remove("lm_head")
+    layers = [layer for layer in json.loads(metadata["layers"]) if layer != "lm_head"]
+    del tensors["lm_head.codes"], tensors["lm_head.scale"]
+    tensors.pop("lm_head.minimum", None)
+    save_file(tensors, str(saved), metadata={**metadata, "examined": json.dumps(examined), "layers": json.dumps(layers)})
+    searches.clear()
+    assert use_block_weights(fresh_model(), saved_in=folder) == first and len(searches) == 2
+    searches.clear()
+    assert use_block_weights(fresh_model(), saved_in=folder) == first and not searches

@@ -216,22 +216,27 @@ def test_the_question_pass_scores_from_the_attention_it_computed(name, monkeypat
     cache = prefill(model, random_ids(PROMPT_LENGTH, 20), None)
     question = random_ids(6, 21)
     positions = torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)
-    recomputed = []
     window_queries = compress.window_queries
-    monkeypatch.setattr(compress, "window_queries", lambda *a: recomputed.append(1) or window_queries(*a))
-    found = {}
-    for reuse in (True, False):
-        if not reuse:
-            monkeypatch.setattr(compress, "_scores_from_attention", lambda *a: None)
-        plan = CompressionPlan(Cut(budget=24, window=8), window=6)
-        with compressing(model, plan):
-            logits = run_forward(model, question.unsqueeze(0), cache.to_dynamic_cache(model.config), positions)
-        found[reuse] = (logits, plan.kept, len(recomputed))
+
+    def question_pass(window: int, reuse: bool):
+        """(logits, kept indices per layer, how many layers computed the window's queries again)."""
+        recomputed = []
+        with monkeypatch.context() as patch:
+            patch.setattr(compress, "window_queries", lambda *a: recomputed.append(1) or window_queries(*a))
+            if not reuse:
+                patch.setattr(compress, "_scores_from_attention", lambda *a: None)
+            plan = CompressionPlan(Cut(budget=24, window=8), window=window)
+            with compressing(model, plan):
+                logits = run_forward(model, question.unsqueeze(0), cache.to_dynamic_cache(model.config), positions)
         assert not any(hasattr(layer.module, cpu_attention.CAPTURED) for layer in attention_layers(model))
+        return logits, plan.kept, len(recomputed)
+
     layers = len(attention_layers(model))
-    assert found[True][2] == 0 and found[False][2] == layers and len(found[True][1]) == layers
-    assert all(torch.equal(found[True][1][i], found[False][1][i]) for i in found[False][1])
-    assert torch.allclose(found[True][0], found[False][0], atol=1e-5)
+    for window in (6, 4):  # the whole question, or only its last rows, as the observation window
+        reused, scratch = question_pass(window, True), question_pass(window, False)
+        assert reused[2] == 0 and scratch[2] == layers and len(reused[1]) == layers
+        assert all(torch.equal(reused[1][i], scratch[1][i]) for i in scratch[1])
+        assert torch.allclose(reused[0], scratch[0], atol=1e-5)
 
 
 def test_positions_continue_at_original_length():

@@ -83,12 +83,13 @@ def test_the_rotation_is_undone_and_evens_out_an_outlier_channel():
 @pytest.mark.parametrize("rotated", [False, True])
 def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch):
     """snapkv/kernels/dequantize.c gives PyTorch's values: the same bits unrotated, within fp32 rounding
-    rotated (its transform sums in another order), for both axes, uneven group tails, head_dim 64 and 96
-    (a rotation block of 32), and a Mixed tensor's rows put back in place."""
+    rotated (its transform sums in another order), for both axes, padded last groups, head_dim 64, 96 (a
+    rotation block of 32) and 12 (4), and a Mixed tensor's rows put back in place."""
     torch.manual_seed(bits)
     cases = [(torch.randn(3, 301, 64) * torch.linspace(0.1, 8, 64), ((TOKENS, 128), (TOKENS, 32), (CHANNELS, 64),
                                                                      (CHANNELS, 16))),
-             (torch.randn(2, 45, 96), ((TOKENS, 32), (CHANNELS, 96)))]
+             (torch.randn(2, 45, 96), ((TOKENS, 32), (CHANNELS, 96), (CHANNELS, 64))),  # 96 channels: a padded group
+             (torch.randn(2, 19, 12), ((TOKENS, 8), (CHANNELS, 8)))]  # a rotation block of 4: the plain loops
     sharp = torch.zeros(3, 301, dtype=torch.bool)
     for head in range(3):
         sharp[head, torch.randperm(301)[:60]] = True
@@ -113,7 +114,10 @@ def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch
     monkeypatch.setenv(native.DISABLE, "0")
     reference = dequantize(mixed)
     monkeypatch.delenv(native.DISABLE)
-    assert torch.allclose(dequantize(mixed), reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
+    if rotated:
+        assert torch.allclose(dequantize(mixed), reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
+    else:
+        assert torch.equal(dequantize(mixed), reference)
 
 
 def test_stored_bits_read_as_one_number_or_keys_over_values():

@@ -1,4 +1,4 @@
-/* Saved keys or values back to fp32 in one pass: unpack the codes, scale and shift them, undo the Hadamard
+/* Saved keys or values back to fp32 (or bf16) in one pass: unpack the codes, scale and shift them, undo the Hadamard
  * rotation with a fast Walsh-Hadamard transform, and write each row where it belongs.
  *
  * The layout is snapkv.quantize's (see Quantized there), for a (heads, tokens, head_dim) tensor:
