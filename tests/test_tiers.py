@@ -305,6 +305,23 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
                                                                                    built.cache.document.stop]
 
 
+def test_a_quantized_file_loads_straight_into_bf16(tiny_loaded, tmp_path, monkeypatch):
+    """For a bf16 model a saved cache's codes are restored in bf16 directly (the C kernel's rounding, as
+    .to(bfloat16) rounds the fp32 values), and with PyTorch's ops the same up to bf16 rounding."""
+    session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, store_bits="3/2+20%@8/4"),
+                      store=CacheStore(tmp_path))
+    path = session.prepare(DOCUMENT).path
+    in_fp32, _ = load_cache(path, dtype=torch.float32)
+    in_bf16, _ = load_cache(path, dtype=torch.bfloat16)
+    monkeypatch.setenv(native.DISABLE, "0")
+    by_pytorch, _ = load_cache(path, dtype=torch.bfloat16)
+    for fp32, bf16, reference in zip(in_fp32.keys + in_fp32.values, in_bf16.keys + in_bf16.values,
+                                     by_pytorch.keys + by_pytorch.values):
+        assert bf16.dtype == reference.dtype == torch.bfloat16
+        assert torch.equal(bf16, fp32.bfloat16())
+        assert torch.allclose(bf16.float(), reference.float(), rtol=2**-7, atol=1e-6)
+
+
 def test_fewer_bits_make_smaller_files(tiny_loaded, tmp_path):
     sizes = {}
     for bits in (16, 8, 4, "4/3", "4/2+20%@4", 2):
