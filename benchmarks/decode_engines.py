@@ -4,7 +4,9 @@
 - presized: the model's own forward, the cache copied once into a buffer with room for the answer, written in
   place (snapkv's choice except on CPU in 16 bits, where concatenation measured faster);
 - lean:     snapkv's default: the cache as above, each token through snapkv.lean_decode's written-out step
-  (plain Llama-family models on CPU; the model's forward elsewhere);
+  (plain Llama-family models on CPU; the model's forward elsewhere), q/k/v and gate/up each read by one
+  product where their 4/8-bit blocks are fused (snapkv.block_weights);
+- unfused:  the lean step calling each projection on its own (only where blocks are fused);
 - compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
@@ -15,8 +17,22 @@ token against concat's (greedy). The engines take turns, --repeats rounds, media
 
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 
 from decode_options import decode_parser
+
+
+@contextmanager
+def projections_one_by_one(model):
+    """Within the block, the lean step calls q/k/v and gate/up one by one (their fused blocks set aside)."""
+    from snapkv.block_weights import FUSED
+
+    set_aside = {module: module.__dict__.pop(FUSED) for module in model.modules() if FUSED in module.__dict__}
+    try:
+        yield
+    finally:
+        for module, fused in set_aside.items():
+            module.__dict__[FUSED] = fused
 
 
 def main() -> None:
@@ -28,6 +44,7 @@ def main() -> None:
 
     import torch
 
+    from snapkv.block_weights import FUSED
     from snapkv.compiled import CompiledDecoder
     from snapkv.config import SnapKVConfig
     from snapkv.documents import Document
@@ -51,20 +68,23 @@ def main() -> None:
         prepared = session.prepare(session.prompt(document, max_tokens=length))
         decoder = CompiledDecoder(loaded.model)
         engines = {"concat": dict(presized=False, lean=False), "presized": dict(presized=True, lean=False),
-                   "lean": dict(), "compiled": dict(decoder=decoder)}
+                   "lean": dict(), "unfused": dict(), "compiled": dict(decoder=decoder)}
         if args.no_compiled:
             del engines["compiled"]
+        if not any(FUSED in module.__dict__ for module in loaded.model.modules()):
+            del engines["unfused"]
         times = {engine: [] for engine in engines}
         answers = {}
         for round_ in range(args.repeats + 1):  # round 0 warms up (and compiles)
             for engine, options in engines.items():
                 tokens, first_at = [], None
-                for token in answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
-                                    max_new_tokens=args.decode_tokens, **options):
-                    tokens.append(token)
-                    if first_at is None:
-                        first_at = time.perf_counter()
-                ended = time.perf_counter()
+                with projections_one_by_one(loaded.model) if engine == "unfused" else nullcontext():
+                    for token in answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
+                                        max_new_tokens=args.decode_tokens, **options):
+                        tokens.append(token)
+                        if first_at is None:
+                            first_at = time.perf_counter()
+                    ended = time.perf_counter()
                 answers[engine] = tokens
                 if round_:
                     times[engine].append(1000 * (ended - first_at) / (len(tokens) - 1))

@@ -129,6 +129,45 @@ class BlockLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.blocks.bits}-bit blocks"
 
 
+FUSED = "snapkv_fused_blocks"  # on a module: {(child names): Blocks over their rows, one after another}
+FUSIBLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # read by one product in lean_decode
+
+
+def _fuse(parent: torch.nn.Module) -> None:
+    """Where a module's q/k/v (or gate/up) projections are all BlockLinear of the same bits and inputs without
+    bias, put their blocks in one tensor each (their rows one after another) kept as FUSED on the module, and
+    point every BlockLinear at its rows (views: no second copy). One product over the whole then gives each
+    projection's outputs, the same numbers, in one kernel call instead of several."""
+    for names in FUSIBLE:
+        linears = [getattr(parent, name, None) for name in names]
+        if not all(isinstance(linear, BlockLinear) and linear.bias is None for linear in linears):
+            continue
+        parts = [linear.blocks for linear in linears]
+        if len({(part.bits, part.codes.shape[1]) for part in parts}) != 1:
+            continue
+        fused = Blocks(parts[0].bits, torch.cat([part.codes for part in parts]),
+                       torch.cat([part.scale for part in parts]),
+                       None if parts[0].minimum is None else torch.cat([part.minimum for part in parts]))
+        start = 0
+        for linear in linears:
+            rows = slice(start, start + linear.out_features)
+            linear.blocks = Blocks(fused.bits, fused.codes[rows], fused.scale[rows],
+                                   None if fused.minimum is None else fused.minimum[rows])
+            start += linear.out_features
+        parent.__dict__.setdefault(FUSED, {})[names] = fused
+
+
+def fused_outputs(parent: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
+    """The outputs of `parent`'s projections `names` for one fp32 row x (..., in) from their fused blocks, in one
+    kernel call, each (..., out); None where they are not fused (call them one by one)."""
+    fused = parent.__dict__.get(FUSED, {}).get(names)
+    if fused is None or x.numel() != x.shape[-1] or x.dtype != torch.float32 or torch.is_grad_enabled():
+        return None
+    sizes = [getattr(parent, name).out_features for name in names]
+    y = blockwise_matmul(x.reshape(1, -1).contiguous(), fused, sum(sizes))
+    return [part.reshape(*x.shape[:-1], -1) for part in y.split(sizes, dim=-1)]
+
+
 @dataclass(frozen=True)
 class BlockReport:
     """What use_block_weights did: how many linear layers decode from blocks, of how many, and why not if none."""
@@ -258,6 +297,8 @@ def use_block_weights(model: torch.nn.Module, saved_in: Path | None = None) -> B
             found[qualified] = blocks
     if saved_in is not None and outdated:
         _save(saved_in, [qualified for qualified, *_ in linears], found)
+    for module in model.modules():
+        _fuse(module)
     block_bytes = sum(blocks.nbytes for blocks in found.values())
     reason = None if found else "no linear layer's weights are exact 4/8-bit blocks"
     return BlockReport(len(found), len(linears), block_bytes, reason)

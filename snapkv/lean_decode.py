@@ -16,7 +16,10 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .block_weights import FUSIBLE, fused_outputs
+
 PLAIN_LLAMA = ("llama", "mistral", "qwen2")
+QKV, GATE_UP = FUSIBLE  # projections read by one kernel call where their 4/8-bit blocks are fused
 
 
 def _has_hooks(model) -> bool:
@@ -66,9 +69,8 @@ def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.
         normed = _rms_norm(layer.input_layernorm, hidden)
         shape = (1, 1, -1, attention.head_dim)
         # (1, heads, 1, head_dim) and (1, kv_heads, 1, head_dim)
-        query = attention.q_proj(normed).view(shape).transpose(1, 2)
-        key = attention.k_proj(normed).view(shape).transpose(1, 2)
-        value = attention.v_proj(normed).view(shape).transpose(1, 2)
+        projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
+        query, key, value = (part.view(shape).transpose(1, 2) for part in projected)
         query = (query * cos) + (_rotate_half(query) * sin)
         key = (key * cos) + (_rotate_half(key) * sin)
         keys, values = cache.update(key, value, attention.layer_idx)
@@ -76,5 +78,6 @@ def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.
         hidden = hidden + attention.o_proj(output.reshape(1, 1, -1).contiguous())
         normed = _rms_norm(layer.post_attention_layernorm, hidden)
         mlp = layer.mlp
-        hidden = hidden + mlp.down_proj(mlp.act_fn(mlp.gate_proj(normed)) * mlp.up_proj(normed))
+        gate, up = fused_outputs(mlp, GATE_UP, normed) or [getattr(mlp, name)(normed) for name in GATE_UP]
+        hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
     return model.lm_head(_rms_norm(inner.norm, hidden))[0, -1]

@@ -253,3 +253,36 @@ def test_blocks_found_once_are_read_back_beside_the_same_weight_files(tmp_path, 
     assert use_block_weights(fresh_model(), saved_in=folder) == first and len(searches) == 2
     searches.clear()
     assert use_block_weights(fresh_model(), saved_in=folder) == first and not searches
+
+
+@needs_kernels
+def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
+    """q/k/v and gate/up blocks are fused into one tensor each (the BlockLinears keep views of their rows): the
+    lean decode step reads each group in one kernel call and gives the same logits, to the bit, as calling
+    the projections one by one."""
+    from snapkv import lean_decode
+
+    model = build_tiny("llama-gqa")
+    snap_to_blocks(model)
+    fp32_bytes = weight_bytes_per_token(model)
+    use_block_weights(model)
+    layers = model.model.layers
+    attention = layers[0].self_attn
+    fused = attention.__dict__[block_weights.FUSED][("q_proj", "k_proj", "v_proj")]
+    assert attention.q_proj.blocks.codes.data_ptr() == fused.codes.data_ptr()  # a view, not a copy
+    assert weight_bytes_per_token(model) < fp32_bytes
+    cache = prefill(model, torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4)), None)
+    calls = []
+    real = block_weights.blockwise_matmul
+    monkeypatch.setattr(block_weights, "blockwise_matmul", lambda *a: calls.append(a[2]) or real(*a))
+    found = {}
+    for label in ("fused", "one by one"):
+        if label == "one by one":
+            for module in model.modules():
+                module.__dict__.pop(block_weights.FUSED, None)
+        calls.clear()
+        working = cache.to_dynamic_cache(model.config)
+        found[label] = lean_decode.decode_step(model, 7, 40, working)
+        found[label + " calls"] = len(calls)
+    assert torch.equal(found["fused"], found["one by one"])
+    assert found["fused calls"] == 4 * len(layers) + 1 and found["one by one calls"] == 7 * len(layers) + 1
