@@ -79,12 +79,10 @@ class SnapKV:
     def score_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """The same scores from the window's attention weights as attention computed them: weights (batch,
         kv_heads, group, w, n - w), softmax over all n keys -> (batch, kv_heads, n - w)."""
-        from .scoring import mean_over_query_groups, pool_scores
+        from .scoring import mean_over_query_groups, pool_scores, summed_over_window
 
-        batch, kv_heads, group, _, earlier = weights.shape
-        scores = weights.sum(dim=-2).reshape(batch, kv_heads * group, earlier)  # (batch, q_heads, n - w)
-        scores = pool_scores(scores, self.kernel, self.pooling)
-        return mean_over_query_groups(scores, kv_heads)  # (batch, kv_heads, n - w)
+        scores = pool_scores(summed_over_window(weights), self.kernel, self.pooling)  # (batch, q_heads, n - w)
+        return mean_over_query_groups(scores, weights.shape[1])  # (batch, kv_heads, n - w)
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         raise ConfigError("snapkv scores during the prefill, with the prompt's tail as its window")

@@ -26,14 +26,19 @@ def window_attention_weights(window_queries: torch.Tensor, keys: torch.Tensor, s
     return logits.softmax(dim=-1)[..., : n - w]
 
 
+def summed_over_window(weights: torch.Tensor) -> torch.Tensor:
+    """(batch, kv_heads, group, w, n - w) window attention weights -> (batch, q_heads, n - w): summed over the
+    window's queries, one row per query head."""
+    batch, kv_heads, group, _, earlier = weights.shape
+    return weights.sum(dim=-2).reshape(batch, kv_heads * group, earlier)
+
+
 def window_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """How much attention the observation window pays to every earlier key, per query head.
 
     Returns (batch, q_heads, n - w): the weights of window_attention_weights summed over the window's queries.
     """
-    batch, q_heads = window_queries.shape[:2]
-    weights = window_attention_weights(window_queries, keys, scaling)  # (batch, kv_heads, group, w, n - w)
-    return weights.sum(dim=-2).reshape(batch, q_heads, weights.shape[-1])
+    return summed_over_window(window_attention_weights(window_queries, keys, scaling))
 
 
 def peak_attention_scores(window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
