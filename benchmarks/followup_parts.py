@@ -1,13 +1,17 @@
-"""Where a follow-up question's time goes, each part with and without this round's change, side by side.
+"""Where a follow-up question's time goes, each part with and without a change, side by side.
 
 One document is prefilled once and saved with the default stored bits; then, taking turns for --rounds rounds:
 - restore: load_cache with snapkv's C dequantizer (snapkv/kernels/dequantize.c) and with PyTorch's ops
   (SNAPKV_NATIVE_KERNELS=0 for that call);
-- question pass + first token: SnapKV scored from the attention weights the pass computed (snapkv.compress)
-  and scored from scratch (the window's queries and their attention again).
-Medians are printed, with the ratio, and whether both ways found the needle.
+- question pass + first token, over the cache loaded as `ask` loads it (with room for the question) unless said:
+    C attention, into the room: the question's attention by snapkv/kernels/attention.c, its keys and values
+        written into the room after each head's (presized.RoomLayer): what snapkv does;
+    C attention, appended: the same over a cache loaded without room (each layer copied to append the question);
+    matmuls, into the room: PyTorch's matmuls for the attention (SNAPKV_NATIVE_KERNELS=0 for the pass);
+    scored from scratch: SnapKV's scores computed again from the window's queries, not taken from the pass.
+Medians are printed, with each one's ratio to the first, and whether every way found the needle.
 
-    .venv/bin/python benchmarks/followup_parts.py --tokens 7k --rounds 5
+    .venv/bin/python benchmarks/followup_parts.py --tokens 8k --rounds 5
 """
 
 import argparse
@@ -15,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,27 +36,39 @@ from snapkv.session import Session
 from snapkv.sizes import parse_size
 
 
-def timed_restore(path: Path, identity: dict, dtype: torch.dtype, native_kernels: bool) -> float:
-    if not native_kernels:
+@contextmanager
+def kernels_off(off: bool):
+    if off:
         os.environ[native.DISABLE] = "0"
     try:
-        started = time.perf_counter()
-        load_cache(path, identity=identity, dtype=dtype)
-        return time.perf_counter() - started
+        yield
     finally:
         os.environ.pop(native.DISABLE, None)
 
 
-def timed_question(session: Session, prepared, reuse: bool) -> tuple[float, str]:
+def timed_restore(path: Path, identity: dict, dtype: torch.dtype, native_kernels: bool) -> float:
+    with kernels_off(not native_kernels):
+        started = time.perf_counter()
+        load_cache(path, identity=identity, dtype=dtype)
+        return time.perf_counter() - started
+
+
+@contextmanager
+def scoring_from_scratch(on: bool):
     real = compress._scores_from_attention
-    if not reuse:
+    if on:
         compress._scores_from_attention = lambda *args: None
     try:
-        stream = session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX, max_new_tokens=6)
-        text = "".join(stream)
-        return stream.result.ttft_seconds, text
+        yield
     finally:
         compress._scores_from_attention = real
+
+
+def timed_question(session: Session, prepared) -> tuple[float, str]:
+    stream = session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX, max_new_tokens=6,
+                         measure=True)
+    text = "".join(stream)
+    return stream.result.ttft_seconds, text
 
 
 def main() -> None:
@@ -74,23 +91,32 @@ def main() -> None:
         prepared = session.load_file(path, check_sources=False)
         print(f"{built.tokens} tokens prefilled in {built.prefill_seconds:.1f} s; stored "
               f"{built.cache.tier.bits} bits, {path.stat().st_size / 2**20:.1f} MiB")
+        appended = replace(prepared, cache=load_cache(path, identity=loaded.identity, dtype=loaded.dtype)[0])
+        ways = {  # name: (prepared document, kernels off, scored from scratch)
+            "C attention, into the room": (prepared, False, False),
+            "C attention, appended": (appended, False, False),
+            "matmuls, into the room": (prepared, True, False),
+            "scored from scratch": (prepared, False, True),
+        }
         restore = {True: [], False: []}
-        question = {True: [], False: []}
+        question = {name: [] for name in ways}
         answers = {}
         for _ in range(args.rounds):
             for flag in (True, False):
                 restore[flag].append(timed_restore(path, loaded.identity, loaded.dtype, flag))
-                seconds, answers[flag] = timed_question(session, prepared, flag)
-                question[flag].append(seconds)
-    for label, parts, names in (("load_cache", restore, ("C dequantizer", "PyTorch ops")),
-                                ("question pass + first token", question, ("scored from its attention",
-                                                                           "scored from scratch"))):
-        new, old = statistics.median(parts[True]), statistics.median(parts[False])
-        print(f"{label}: {names[0]} {new:.3f} s, {names[1]} {old:.3f} s ({old / new:.2f}x) "
-              f"[{', '.join(f'{x:.3f}' for x in parts[True])} | {', '.join(f'{x:.3f}' for x in parts[False])}]")
-    for flag, text in answers.items():
-        print(f"answer ({'scored from its attention' if flag else 'scored from scratch'}): {text.strip()!r}, "
-              f"needle {'found' if NEEDLE_NUMBER in text else 'missed'}")
+            for name, (document, off, scratch) in ways.items():
+                with kernels_off(off), scoring_from_scratch(scratch):
+                    seconds, answers[name] = timed_question(session, document)
+                question[name].append(seconds)
+    new, old = statistics.median(restore[True]), statistics.median(restore[False])
+    print(f"load_cache: C dequantizer {new:.3f} s, PyTorch ops {old:.3f} s ({old / new:.2f}x) "
+          f"[{', '.join(f'{x:.3f}' for x in restore[True])} | {', '.join(f'{x:.3f}' for x in restore[False])}]")
+    first = statistics.median(question[next(iter(ways))])
+    for name, seconds in question.items():
+        median = statistics.median(seconds)
+        print(f"question pass + first token, {name}: {median:.3f} s ({median / first:.2f}x) "
+              f"[{', '.join(f'{x:.3f}' for x in seconds)}]; answer {answers[name].strip()!r}, "
+              f"needle {'found' if NEEDLE_NUMBER in answers[name] else 'missed'}")
 
 
 if __name__ == "__main__":

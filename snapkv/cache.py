@@ -8,6 +8,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .bits import Bits
 from .config import Tier
+from .presized import RoomLayer
 from .quantize import dequantize, quantize, quantize_mixed, stored_schemes, storage_dtype
 
 
@@ -22,6 +23,9 @@ class CompressedCache:
     tier:               what the cache holds and how it was made (the cut, the stored bits, truncation);
                         a saved file's metadata is written from it
     document_span:      where the document sits in the prompt (None: all of it)
+    question_room:      rows left free after each head's positions in the buffers keys[i] and values[i] view (a
+                        cache loaded with room, snapkv.cachefile.load_cache), where a question's pass writes its own
+                        keys and values instead of copying the layer (snapkv.presized.RoomLayer); 0: none
     payload:            per layer, (keys, values) as a file stores them (16-bit tensors, or
                         snapkv.quantize.Quantized or Mixed); keys and values above are these, restored. None until
                         the cache is rounded to its stored precision (at_precision)
@@ -35,6 +39,7 @@ class CompressedCache:
     tier: Tier = field(default_factory=Tier)
     document_span: range | None = None
     payload: list[tuple] | None = None
+    question_room: int = 0
 
     @property
     def document(self) -> range:
@@ -83,20 +88,25 @@ class CompressedCache:
         return [sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.nbytes
                     for part in pair) for pair in self.payload]
 
-    def to_dynamic_cache(self, model_config) -> DynamicCache:
+    def to_dynamic_cache(self, model_config, into_room: bool = False) -> DynamicCache:
         """A fresh transformers cache over these tensors, ready for a forward pass.
 
         Full-attention layers start from these very tensors, without a copy: DynamicLayer only ever
         replaces its tensors (appending concatenates into new ones, SnapKV gathers into new ones),
         so a forward on the returned cache never changes this object. Sliding-window layers go
         through the public update(), which copies.
+        into_room: for a question's pass, where the cache has question_room: the question's keys and values are
+        written into the room (presized.RoomLayer, rows outside this cache's tensors) instead of a copy of each
+        layer; call presized.release_room after that forward.
         """
         cache = DynamicCache(config=model_config)
         for index, (keys, values) in enumerate(zip(self.keys, self.values)):
             # (1, kv_heads, kept, head_dim)
             keys, values = keys.unsqueeze(0), values.unsqueeze(0)
             layer = cache.layers[index]
-            if type(layer) is DynamicLayer:
+            if type(layer) is DynamicLayer and into_room and self.question_room:
+                cache.layers[index] = RoomLayer(keys, values, self.question_room)
+            elif type(layer) is DynamicLayer:
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
             else:

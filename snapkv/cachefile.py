@@ -359,9 +359,9 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
 
 
 def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int,
-                     restore_dtype: torch.dtype) -> list[tuple]:
+                     restore_dtype: torch.dtype, room: int) -> list[tuple]:
     """(keys, values, positions, stored pair) per layer of a format 2 file; quantized parts restored in
-    restore_dtype."""
+    restore_dtype, with `room` rows free after each head's (snapkv.quantize.dequantize)."""
     storage = metadata.get("storage") or {}
     head_dim, kv_heads = storage.get("head_dim"), storage.get("kv_heads")
     try:
@@ -389,12 +389,11 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         shape = (kv_heads, positions.shape[1], head_dim)
         stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
                        for kind in ("keys", "values"))
-        restored = [part if isinstance(part, torch.Tensor) else dequantize(part, restore_dtype) for part in stored]
+        restored = [part if isinstance(part, torch.Tensor) else dequantize(part, restore_dtype, room) for part in stored]
         quantized = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))
                      if isinstance(piece, Quantized)]
-        for part in quantized:
-            if not (_all_finite(part.scale) and _all_finite(part.minimum)):
-                raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+        if quantized and not _all_finite(torch.cat([t.reshape(-1) for part in quantized for t in (part.scale, part.minimum)])):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
         found.append((restored[0], restored[1], positions, stored))
     return found
 
@@ -402,7 +401,7 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
 def load_cache(path: Path, *, identity: dict | None = None,
                device: torch.device | str | list[torch.device] = "cpu",
                dtype: torch.dtype | None = None, verify: bool = True,
-               split: dict | None = None) -> tuple[CompressedCache, dict]:
+               split: dict | None = None, question_room: int = 0) -> tuple[CompressedCache, dict]:
     """Read and validate a saved cache; refuse (CacheFileError / IncompatibleCacheError) what does not fit.
 
     identity: the model in use (LoadedModel.identity); None skips the model checks (for `info`).
@@ -412,6 +411,9 @@ def load_cache(path: Path, *, identity: dict | None = None,
     verify:   check the payload digest (reads every byte; skip only for very large trusted files).
     split:    a dict that receives where the time went: read_seconds (header and tensors from disk),
               digest_seconds, restore_seconds (checks, dequantizing, placing on the devices).
+    question_room: rows to leave free after each head's positions where fewer bits are restored on the CPU, for a
+              question's keys and values (CompressedCache.question_room); kept where the layers stay on the CPU in
+              the dtype restored.
     """
     from safetensors.torch import load_file
 
@@ -437,7 +439,7 @@ def load_cache(path: Path, *, identity: dict | None = None,
     else:
         # quantized parts straight into a bf16 model's dtype (one pass, as .to() would round), else fp32
         restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype)
+        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, question_room)
     for index, (keys, values, positions, stored) in enumerate(found):
         dequantized = stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
         _check_layer(path, index, keys, values, positions, length, identity, dequantized)
@@ -457,6 +459,7 @@ def load_cache(path: Path, *, identity: dict | None = None,
         tier=tier,
         document_span=range(*span) if span is not None else None,
         payload=None if found[0][3] is None else [stored for *_, stored in found],
+        question_room=question_room,  # RoomLayer checks each layer's strides: a tensor moved or converted has none
     )
     if split is not None:
         split.update(read_seconds=read_at - clock, digest_seconds=digest_at - read_at,

@@ -6,8 +6,10 @@ On CPU, sdpa's flash kernel in bf16 is slow for a single query: measured on a 2-
 7000, where q @ K^T, a softmax in fp32 and @ V as plain bf16 matmuls took 101 and 266 us; a question of up to
 SHORT_QUERY tokens over a long cache gains the same way. In fp32 a question gains too (20 rows over 7188 keys:
 15.2 ms against sdpa's 21.9, which first repeats each KV head for its query heads), while one decoded row
-does not (sdpa 1.80 ms, matmuls 1.94 over 7168 keys), so one fp32 row stays with sdpa. On GPUs sdpa's kernels
-are the right ones, so everything else goes to sdpa unchanged: longer queries (the prompt), other devices, a
+does not (sdpa 1.80 ms, matmuls 1.94 over 7168 keys), so one fp32 row stays with sdpa. A question's fp32 rows go further
+still: snapkv/kernels/attention.c computes scores, softmax and the weighted values in one call (register
+tiles; PyTorch's matmuls reach about half this CPU's fp32 rate on 60 rows by 64 channels), where the C kernels
+are available (snapkv.native). On GPUs sdpa's kernels are the right ones, so everything else goes to sdpa unchanged: longer queries (the prompt), other devices, a
 causal query block without a mask, soft-capping, attention sinks, dropout.
 
 Registered with transformers under NAME (with sdpa's mask), and picked by snapkv.models on CPU.
@@ -18,10 +20,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from . import native
+
 NAME = "snapkv_cpu_decode"
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 SHORT_QUERY = 64  # at most this many query rows take the matmuls: a question; a prompt's block goes to sdpa
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+NATIVE_HEAD_DIMS = range(16, 257, 16)  # what snapkv/kernels/attention.c takes
 # A module with CAPTURE set (snapkv.compress, while it cuts a cache) gets its fp32 attention weights kept
 # as CAPTURED, (batch, kv_heads, group, q, n), so that scoring the window need not compute them again.
 CAPTURE, CAPTURED = "snapkv_capture_weights", "snapkv_captured_weights"
@@ -41,19 +46,52 @@ def _plain_decode(query: torch.Tensor, key: torch.Tensor, attention_mask, dropou
             and not kwargs.get("output_attentions") and all(kwargs.get(name) is None for name in UNSUPPORTED))
 
 
+def _attended(attention_mask: torch.Tensor) -> torch.Tensor:
+    """attention_mask (batch, 1, q, n), bool or additive, as a bool: True where attended."""
+    return attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+
+
+def _question_columns(attention_mask: torch.Tensor) -> int:
+    """Where the columns that need masking start: n - q when every row attends to all of the first n - q keys (a
+    question after its cache), else 0."""
+    rows, n = attention_mask.shape[-2:]
+    return n - rows if rows < n and bool(_attended(attention_mask)[..., : n - rows].all()) else 0
+
+
 def _apply_mask(scores: torch.Tensor, attention_mask: torch.Tensor) -> None:
     """In place: scores (batch, kv_heads, group, q, n) masked by attention_mask (batch, 1, q, n), True / 0
-    where attended. Where every row attends to all of the first n - q keys (a question after its cache), only
-    the last q columns are touched."""
-    rows, n = attention_mask.shape[-2:]
-    attended = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    start = n - rows if rows < n and bool(attended[..., : n - rows].all()) else 0
-    mask = attention_mask[..., start:].unsqueeze(1)  # (batch, 1, 1, q, n - start)
-    tail = scores[..., start:]
+    where attended. Where every row attends to all of the first n - q keys, only the last q columns are touched."""
+    mask = attention_mask[..., _question_columns(attention_mask):].unsqueeze(1)  # (batch, 1, 1, q, n - start)
+    tail = scores[..., -mask.shape[-1]:]
     if mask.dtype == torch.bool:
         tail.masked_fill_(~mask, float("-inf"))
     else:
         tail.add_(mask.float())
+
+
+def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A question's fp32 rows through snapkv/kernels/attention.c: (output (kv_heads, group * q, head_dim),
+    weights (kv_heads, group * q, n)), or None where it does not apply (a batch, a layout or head size it does not
+    take, earlier columns masked, the kernels unavailable). query (1, heads, q, head_dim); key, value (1, kv_heads,
+    n, head_dim), each head's rows contiguous; attention_mask (1, 1, q, n)."""
+    _, heads, rows, head_dim = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    if (query.shape[0] != 1 or rows < 2 or head_dim not in NATIVE_HEAD_DIMS or attention_mask is None
+            or any(t.dtype != torch.float32 or t.stride(-1) != 1 or t.stride(-2) != head_dim for t in (key, value))
+            or native.unavailable_reason() is not None or _question_columns(attention_mask) != n - rows):
+        return None
+    tail = attention_mask[0, 0, :, n - rows:]  # (q, q): the question's own columns
+    tail = (torch.zeros(rows, rows).masked_fill_(~tail, float("-inf")) if tail.dtype == torch.bool
+            else tail.float().contiguous())
+    query = query.contiguous()
+    weights = torch.empty(kv_heads, heads // kv_heads * rows, n)
+    output = torch.empty(kv_heads, heads // kv_heads * rows, head_dim)
+    status = native.kernels().attend_rows(
+        query.data_ptr(), kv_heads, heads // kv_heads * rows, rows, scale, key.data_ptr(), key.stride(1),
+        value.data_ptr(), value.stride(1), n, head_dim, tail.data_ptr(), weights.data_ptr(), output.data_ptr(),
+        torch.get_num_threads())
+    return (output, weights) if status == 0 else None
 
 
 def decodes_by_matmuls(model, keys: torch.Tensor) -> bool:
@@ -75,20 +113,32 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     kv_heads = key.shape[1]
     group = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
+    natively = _attend_natively(query, key, value, attention_mask, scale) if query.dtype == torch.float32 else None
+    if natively is not None:
+        output, weights = natively
+    else:
+        output, weights = _attend_by_matmuls(query, key, value, attention_mask, scale)
+    if getattr(module, CAPTURE, False) and query.dtype == torch.float32:  # for snapkv.compress's scoring
+        setattr(module, CAPTURED, weights.view(batch, kv_heads, group, rows, -1))
+    return output.view(batch, heads, rows, head_dim).transpose(1, 2).contiguous(), None
+
+
+def _attend_by_matmuls(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output (batch, kv_heads, group * q, head_dim), weights (batch, kv_heads, group * q, n)) by PyTorch's
+    matmuls; weights in fp32."""
+    batch, heads, rows, head_dim = query.shape
+    kv_heads = key.shape[1]
     # the query heads of each KV head, their rows one after another: (batch, kv_heads, group * q, head_dim)
-    grouped = query.reshape(batch, kv_heads, group * rows, head_dim)
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * rows, head_dim)
     if query.dtype == torch.float32:  # scaled on the few query rows rather than on every score
         scores = torch.matmul(grouped * scale, key.transpose(-1, -2))  # (batch, kv_heads, group * q, n)
     else:  # 16 bits: the products rounded once, then scaled in fp32
         scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale
     if attention_mask is not None:  # (batch, 1, q, n): True / 0 where attended
-        _apply_mask(scores.view(batch, kv_heads, group, rows, -1), attention_mask)
+        _apply_mask(scores.view(batch, kv_heads, heads // kv_heads, rows, -1), attention_mask)
     weights = scores.softmax(dim=-1)
-    if getattr(module, CAPTURE, False) and query.dtype == torch.float32:  # for snapkv.compress's scoring
-        setattr(module, CAPTURED, weights.view(batch, kv_heads, group, rows, -1))
-    weights = weights.to(value.dtype)
-    output = torch.matmul(weights, value)  # (batch, kv_heads, group * q, head_dim)
-    return output.view(batch, heads, rows, head_dim).transpose(1, 2).contiguous(), None
+    return torch.matmul(weights.to(value.dtype), value), weights
 
 
 AttentionInterface.register(NAME, attention_forward)

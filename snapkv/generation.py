@@ -16,7 +16,7 @@ from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import Cut, Tier
-from .presized import presize, presize_pays
+from .presized import presize, presize_pays, release_room
 
 if TYPE_CHECKING:
     from .compiled import CompiledDecoder
@@ -206,12 +206,12 @@ def answer(
     Llama-family model on CPU), or False: the model's own forward, to measure against.
     """
     device = model_device(model)
-    working = cache.to_dynamic_cache(model.config)
     q = question_ids.shape[0]
     start = cache.original_length
     plan = None
     if per_question is not None and cache.kept_tokens > per_question.prefix_keep:
         plan = CompressionPlan(per_question, window=q)
+    working = cache.to_dynamic_cache(model.config, into_room=True)
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -219,6 +219,7 @@ def answer(
     positions = torch.arange(start, start + q, device=device).unsqueeze(0)
     with compressing(model, plan) if plan else nullcontext():
         logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
+    release_room(working)
     static = None
     write_in_place = presized if presized is not None else presize_pays(model, working)
     if decoder is not None and max_new_tokens > 1 and decoder.qualifies(working):

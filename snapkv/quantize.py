@@ -247,26 +247,35 @@ def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: 
     return status == 0
 
 
-def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32, room: int = 0) -> torch.Tensor:
     """(kv_heads, tokens, head_dim) in `dtype`. In fp32 or bf16 on a CPU with snapkv's C kernels, one pass in C
-    (snapkv/kernels/dequantize.c: the same values, a rotated tensor within rounding); else PyTorch's ops."""
-    out = torch.empty(quantized.shape, dtype=dtype, device=quantized.scale.device
-                      if isinstance(quantized, Quantized) else quantized.high.scale.device)
+    (snapkv/kernels/dequantize.c: the same values, a rotated tensor within rounding); else PyTorch's ops.
+
+    room: free rows left after each head's tokens (the result is a view of a (kv_heads, tokens + room,
+    head_dim) buffer), where a question can be written without copying the rest (snapkv.presized.RoomLayer)."""
     heads, tokens, head_dim = quantized.shape
-    rows = out.view(heads * tokens, head_dim)
+    device = quantized.scale.device if isinstance(quantized, Quantized) else quantized.high.scale.device
+    buffer = torch.empty((heads, tokens + room, head_dim), dtype=dtype, device=device)
+    out = buffer[:, :tokens]
+    rows = buffer.view(heads * (tokens + room), head_dim)
     if isinstance(quantized, Mixed):
-        sharp = quantized.sharp.to(out.device)
-        for chosen, part in ((sharp, quantized.high), (~sharp, quantized.low)):
+        sharp = torch.nn.functional.pad(quantized.sharp.to(device), (0, room))  # (kv_heads, tokens + room)
+        for chosen, part in ((sharp, quantized.high), (_held(heads, tokens, room, device) & ~sharp, quantized.low)):
             destination = _rows_of(chosen)
             if not _dequantize_natively(part, rows, destination):
                 rows.index_copy_(0, destination, dequantize(part, dtype).reshape(-1, head_dim))
         return out
-    if _dequantize_natively(quantized, rows, None):
+    if _dequantize_natively(quantized, rows, _rows_of(_held(heads, tokens, room, device)) if room else None):
         return out
     q = _unpack(quantized.packed, quantized.scheme.bits).float()
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)
     x = _ungrouped(x, quantized.shape, quantized.scheme.axis)
     return out.copy_(_rotate(x) if quantized.scheme.rotated else x)
+
+
+def _held(heads: int, tokens: int, room: int, device: torch.device) -> torch.Tensor:
+    """(kv_heads, tokens + room) bool: True on the tokens, False on the room after them."""
+    return (torch.arange(tokens + room, device=device) < tokens).expand(heads, -1)
 
 
 def storage_dtype(compute: torch.dtype, tensors: list[torch.Tensor]) -> torch.dtype:

@@ -35,6 +35,9 @@ from .tiers import build_tier, derive_tier
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
+# Rows a loaded cache keeps free after each head's positions, where a question's pass writes its keys and values
+# instead of copying each layer whole (a longer question is appended by copying).
+QUESTION_ROOM = 64
 TRUNCATE_SIDES = ("start", "middle", "end")
 
 
@@ -356,7 +359,8 @@ class Session:
         started = time.perf_counter()
         split: dict = {}
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.layer_devices,
-                                     dtype=self.loaded.dtype, verify=self.verify, split=split)
+                                     dtype=self.loaded.dtype, verify=self.verify, split=split,
+                                     question_room=QUESTION_ROOM)
         sources = recorded_sources(path, metadata)
         stale = stale_sources(sources) if check_sources else []
         notes = [("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers.cache_utils import DynamicLayer
 
 from conftest import VOCAB, build_tiny
+from snapkv import native
 from snapkv.architectures import attention_layers
 from snapkv.compress import CompressionPlan, compressing
 from snapkv.config import Cut, SnapKVConfig
@@ -308,6 +310,66 @@ def test_presized_layer_grows_past_its_room():
     assert torch.equal(layer.keys[:, :, 5:, 0], torch.arange(4.0).expand(1, 2, 4))
 
 
+@pytest.mark.parametrize("per_question", [Cut(budget=24, window=8), None])
+def test_a_question_written_into_a_loaded_caches_room_answers_as_concatenation(tiny_model, per_question, tmp_path):
+    """A cache loaded with question_room (snapkv.cachefile) has free rows after each head's; the question's pass
+    writes its keys and values there instead of copying each layer (presized.RoomLayer). The answers are the same,
+    token for token, as from the same cache without room, the cache itself is unchanged, and a layer the pass did
+    not cut is copied out before decoding (presized.release_room), so the next question finds the room free."""
+    from snapkv import presized
+    from snapkv.cachefile import load_cache, save_cache
+
+    stored = prefill(tiny_model, random_ids(PROMPT_LENGTH, 30), None).at_precision(4)
+    save_cache(tmp_path / "cache.snapkv", stored)
+    roomy, _ = load_cache(tmp_path / "cache.snapkv", question_room=16)
+    plain, _ = load_cache(tmp_path / "cache.snapkv")
+    assert roomy.question_room == 16 and all(presized.free_rows(k.unsqueeze(0)) == 16 for k in roomy.keys)
+    assert all(torch.equal(a, b) for a, b in zip(roomy.keys + roomy.values, plain.keys + plain.values))
+    before = [t.clone() for t in roomy.keys + roomy.values]
+    written = []
+    update = presized.RoomLayer.update
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(presized.RoomLayer, "update", lambda self, *a, **k: written.append(self.room) or update(self, *a, **k))
+        for seed in (31, 32):  # two questions: the second writes the room again
+            question = random_ids(6, seed)
+            answers = [list(answer(tiny_model, cache, question, per_question=per_question, max_new_tokens=12))
+                       for cache in (roomy, plain)]
+            assert len(answers[0]) == 12 and answers[0] == answers[1]
+    assert written and all(room == 16 for room in written)  # every layer's question went into its room
+    assert all(torch.equal(a, b) for a, b in zip(before, roomy.keys + roomy.values))
+
+
+def test_a_room_layer_writes_only_where_it_has_room():
+    """RoomLayer appends by concatenation when the question does not fit the room, when the strides show none
+    (a contiguous tensor), and after its first write; free_rows reads the room from the strides and the storage."""
+    from snapkv.presized import RoomLayer, free_rows, release_room
+
+    buffer = torch.zeros(1, 2, 8, 4)
+    keys = buffer[:, :, :5]
+    assert free_rows(keys) == 3 and free_rows(buffer) == 0 and free_rows(buffer[:, :1, :5]) == 3
+    assert free_rows(buffer[:, 1:, :5]) == 3 and free_rows(buffer[:, 1:, :6]) == 2
+    assert free_rows(torch.zeros(1, 2, 5, 4)[..., :2]) == 0  # rows not contiguous: no room
+    new = torch.ones(1, 2, 4, 4)
+    for states, room in ((keys, 3), (keys, 8), (torch.zeros(1, 2, 5, 4), 3)):  # 4 rows: past the room
+        layer = RoomLayer(states, states, room)
+        layer.update(new, new)
+        assert not layer.wrote and layer.keys.shape[-2] == 9 and torch.equal(buffer, torch.zeros_like(buffer))
+    value_buffer = torch.zeros(1, 2, 8, 4)
+    layer = RoomLayer(keys, value_buffer[:, :, :5], 3)
+    layer.update(new[:, :, :2], 2 * new[:, :, :2])
+    assert layer.wrote and layer.keys.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:, :, 5:7], new[:, :, :2])
+    assert torch.equal(layer.values, value_buffer[:, :, :7]) and torch.equal(value_buffer[:, :, 5:7], 2 * new[:, :, :2])
+    layer.update(new[:, :, :1], new[:, :, :1])  # a second update concatenates: never past the question's rows
+    assert layer.keys.shape[-2] == 8 and torch.equal(buffer[:, :, 7], torch.zeros(1, 2, 4))
+    assert torch.equal(RoomLayer(keys, keys.clone(), 3).update(new, new)[0], torch.cat([keys, new], 2))  # no room in values
+    cache = DynamicCache()
+    cache.layers = [RoomLayer(keys, keys, 3)]
+    cache.layers[0].update(new[:, :, :1], new[:, :, :1])
+    release_room(cache)  # not cut: the layer gets its own copy
+    assert type(cache.layers[0]) is DynamicLayer and cache.layers[0].keys.data_ptr() != buffer.data_ptr()
+    assert torch.equal(cache.layers[0].keys, buffer[:, :, :6])
+
+
 @pytest.mark.slow
 def test_compiled_decoding_answers_token_for_token_as_eager():
     """torch.compile'd steps over a static copy of the cache (snapkv.compiled) give the greedy answer of the eager
@@ -448,6 +510,48 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
         cpu_attention.attention_forward(module, *(t.bfloat16() if args[0].shape[2] > 1 else t for t in tensors), mask)
         monkeypatch.undo()
         assert calls == [1]
+
+
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
+@pytest.mark.parametrize("kv_heads, group, rows, keys, head_dim", [(3, 3, 18, 517, 64), (2, 4, 7, 100, 128),
+                                                                   (1, 1, 2, 33, 16), (4, 2, 13, 16, 32)])
+def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_heads, group, rows, keys, head_dim,
+                                                                           monkeypatch):
+    """fp32 question rows go to snapkv/kernels/attention.c where every row attends to all the earlier keys: the
+    output and the kept weights agree with PyTorch's matmuls to fp32 rounding, for any number of rows and keys (tiles
+    of 6 rows and 16 keys with remainders), head sizes and groups, boolean or additive masks, strided caches (a
+    RoomLayer's view); earlier keys masked, or the kernels turned off, take the matmuls."""
+    from snapkv import cpu_attention
+
+    torch.manual_seed(rows)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = group, True
+    setattr(module, cpu_attention.CAPTURE, True)
+    query = torch.randn(1, kv_heads * group, rows, head_dim)
+    buffer = torch.randn(2, 1, kv_heads, keys + 5, head_dim)  # 5 free rows after each head's keys
+    key, value = buffer[0, :, :, :keys], buffer[1, :, :, :keys]
+    causal = torch.ones(rows, keys, dtype=torch.bool).tril(diagonal=keys - rows).expand(1, 1, rows, keys)
+    gappy = causal.clone()
+    gappy[..., -1, -2] = False  # a hole among the question's own columns: still the kernel's
+    masked_early = causal.clone()
+    masked_early[..., 0, 2] = False  # an earlier key masked: the matmuls
+    by_matmuls = cpu_attention._attend_by_matmuls
+    for mask, natively in ((causal, True), (torch.zeros(1, 1, rows, keys).masked_fill(~causal, float("-inf")), True),
+                           (gappy, True), (masked_early, False)):
+        for turned_off in (False, True):
+            calls = []
+            with monkeypatch.context() as patch:
+                patch.setattr(cpu_attention, "_attend_by_matmuls", lambda *a: calls.append(1) or by_matmuls(*a))
+                if turned_off:
+                    patch.setenv(native.DISABLE, "0")
+                found, _ = cpu_attention.attention_forward(module, query, key, value, mask, scaling=head_dim**-0.5)
+                captured = module.__dict__.pop(cpu_attention.CAPTURED)
+            assert calls == ([] if natively and not turned_off else [1])
+            expected, weights = by_matmuls(query, key, value, mask, head_dim**-0.5)
+            expected = expected.view(1, kv_heads * group, rows, head_dim).transpose(1, 2)
+            assert torch.allclose(found, expected, atol=2e-6, rtol=1e-5)
+            assert torch.allclose(captured, weights.view(captured.shape), atol=1e-7, rtol=1e-5)
+            assert torch.allclose(captured.sum(-1), torch.ones(()), atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma3"])

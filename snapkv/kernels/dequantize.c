@@ -116,6 +116,37 @@ static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm
     }
 }
 
+/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
+static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* A row's values, decoded: the rotation undone, then written to its destination row of `out`. */
+static inline void finish_row(float *values, int64_t head_dim, int64_t rotation_block, float norm,
+                              const int64_t *destination, int64_t row, void *out, int out_kind) {
+    if (rotation_block) hadamard_blocks(values, head_dim, rotation_block, norm);
+    const int64_t target = (destination ? destination[row] : row) * head_dim;
+    if (out_kind == OUT_BF16)
+        for (int64_t c = 0; c < head_dim; c++) ((uint16_t *)out)[target + c] = float_to_bf16(values[c]);
+    else
+        for (int64_t c = 0; c < head_dim; c++) ((float *)out)[target + c] = values[c];
+}
+
 /* Returns 0, or -1 for a shape this kernel does not take (head_dim past MAX_HEAD_DIM, bits not 2/3/4/8, a
  * rotation block that is not a power of two dividing head_dim). */
 int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t heads,
@@ -143,13 +174,26 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                 channel_scale[c] = half_to_float(scale[at]);
                 channel_minimum[c] = half_to_float(minimum[at]);
             }
-        for (int64_t t = first_token; t < last_token; t++) {
+        const uint8_t *group_codes =  /* channel 0's codes of the task's group (keys) */
+            along_tokens ? packed + ((h * head_dim) * groups + first_token / group) * group_bytes : NULL;
+        const int64_t channel_bytes = groups * group_bytes;  /* from one channel's group to the next channel's */
+        int64_t t = first_token;
+        if (along_tokens && head_dim % 8 == 0)  /* 8 tokens at a time: each channel's 8 codes, then transposed */
+            for (; t + 8 <= last_token; t += 8) {
+                float tile[MAX_HEAD_DIM * 8], rows[8][MAX_HEAD_DIM];  /* tile: (head_dim, 8 tokens) */
+                for (int64_t c = 0; c < head_dim; c++)
+                    _mm256_storeu_ps(tile + c * 8, decode_8(group_codes + c * channel_bytes, t - first_token, bits,
+                                                           _mm256_set1_ps(channel_scale[c]),
+                                                           _mm256_set1_ps(channel_minimum[c])));
+                for (int64_t c = 0; c < head_dim; c += 8) transpose_8x8(tile + c * 8, 8, &rows[0][c], MAX_HEAD_DIM);
+                for (int i = 0; i < 8; i++)
+                    finish_row(rows[i], head_dim, rotation_block, norm, destination, h * tokens + t + i, out, out_kind);
+            }
+        for (; t < last_token; t++) {
             const int64_t row = h * tokens + t;
             if (along_tokens) {  /* the same place in each channel's group */
-                const int64_t in_group = t - first_token;
-                const uint8_t *codes = packed + ((h * head_dim) * groups + first_token / group) * group_bytes;
                 for (int64_t c = 0; c < head_dim; c++) {
-                    const float scaled = (float)code_at(codes + c * groups * group_bytes, in_group, bits) * channel_scale[c];
+                    const float scaled = (float)code_at(group_codes + c * channel_bytes, t - first_token, bits) * channel_scale[c];
                     values[c] = scaled + channel_minimum[c];
                 }
             } else {  /* the row's channels, group after group */
@@ -168,12 +212,7 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                     }
                 }
             }
-            if (rotation_block) hadamard_blocks(values, head_dim, rotation_block, norm);
-            const int64_t target = (destination ? destination[row] : row) * head_dim;
-            if (out_kind == OUT_BF16)
-                for (int64_t c = 0; c < head_dim; c++) ((uint16_t *)out)[target + c] = float_to_bf16(values[c]);
-            else
-                for (int64_t c = 0; c < head_dim; c++) ((float *)out)[target + c] = values[c];
+            finish_row(values, head_dim, rotation_block, norm, destination, row, out, out_kind);
         }
     }
     return 0;

@@ -1,0 +1,201 @@
+/* Attention of a few fp32 query rows (a question) over a long cache, in one call: scores, softmax and the
+ * weighted sum of the values, for one batch entry.
+ *
+ *   query:   (kv_heads, rows, head_dim), the query heads of each KV head one after another (row r is the
+ *            question's token r % question); scaled here by `scale` before the products, as PyTorch's path
+ *            scales the rows (snapkv/cpu_attention.py)
+ *   keys, values: per KV head `tokens` rows of head_dim floats, heads `key_head_stride` / `value_head_stride`
+ *            floats apart
+ *   tail_mask: (question, question) added to the scores of the last `question` columns (0 or -inf): every
+ *            row attends to all the earlier columns
+ *   weights: (kv_heads, rows, tokens) out: the softmax, kept (snapkv.compress scores SnapKV from it)
+ *   out:     (kv_heads, rows, head_dim) out: weights @ values
+ *
+ * Why: for a question of ~20 tokens (60 rows per KV head) over thousands of keys, PyTorch's matmuls reach
+ * about half of this CPU's fp32 rate; register tiles of 6 rows x 16 keys (scores) and 6 rows x 16 channels
+ * (values) reach about 3/4. The keys are read 16 at a time and transposed in registers, so that one tile
+ * feeds all the query rows. exp is Cephes' single-precision polynomial (within 2 ulp of expf). Work is
+ * spread over `threads` OpenMP threads: key tiles for the scores, rows for the softmax, row blocks for
+ * the values. Needs AVX2 and FMA; head_dim a multiple of 16, at most MAX_HEAD_DIM. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define ROW_BLOCK 6
+#define KEY_TILE 16
+#define MAX_HEAD_DIM 256
+
+/* e^x for 8 lanes (x = n ln 2 + r, then a polynomial in r); 0 below -87.3, where expf underflows. */
+static inline __m256 exp_8(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(-87.3f);
+    const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lowest);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
+}
+
+static inline float largest_lane(__m256 v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+static inline float lane_sum(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
+static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+
+/* tile (head_dim, KEY_TILE) = keys' `count` rows transposed, zero past count. */
+static void transposed_tile(const float *keys, int64_t count, int64_t head_dim, float *tile) {
+    if (count == KEY_TILE) {
+        for (int64_t c = 0; c < head_dim; c += 8) {
+            transpose_8x8(keys + c, head_dim, tile + c * KEY_TILE, KEY_TILE);
+            transpose_8x8(keys + 8 * head_dim + c, head_dim, tile + c * KEY_TILE + 8, KEY_TILE);
+        }
+        return;
+    }
+    for (int64_t c = 0; c < head_dim; c++)
+        for (int64_t j = 0; j < KEY_TILE; j++) tile[c * KEY_TILE + j] = j < count ? keys[j * head_dim + c] : 0.0f;
+}
+
+/* sums[i] (16 lanes in two vectors) = sum over k < depth of a[i][k] * b[k * b_stride + 0..15], for ROW_BLOCK
+ * rows of a: the register tile shared by the scores and the values (12 accumulators, named so that they stay
+ * in registers). */
+static inline void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
+                                __m256 sums[ROW_BLOCK][2]) {
+    __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00,
+           s30 = s00, s31 = s00, s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+    for (int64_t k = 0; k < depth; k++, b += b_stride) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        __m256 x;
+        x = _mm256_broadcast_ss(a0 + k); s00 = _mm256_fmadd_ps(x, b0, s00); s01 = _mm256_fmadd_ps(x, b1, s01);
+        x = _mm256_broadcast_ss(a1 + k); s10 = _mm256_fmadd_ps(x, b0, s10); s11 = _mm256_fmadd_ps(x, b1, s11);
+        x = _mm256_broadcast_ss(a2 + k); s20 = _mm256_fmadd_ps(x, b0, s20); s21 = _mm256_fmadd_ps(x, b1, s21);
+        x = _mm256_broadcast_ss(a3 + k); s30 = _mm256_fmadd_ps(x, b0, s30); s31 = _mm256_fmadd_ps(x, b1, s31);
+        x = _mm256_broadcast_ss(a4 + k); s40 = _mm256_fmadd_ps(x, b0, s40); s41 = _mm256_fmadd_ps(x, b1, s41);
+        x = _mm256_broadcast_ss(a5 + k); s50 = _mm256_fmadd_ps(x, b0, s50); s51 = _mm256_fmadd_ps(x, b1, s51);
+    }
+    sums[0][0] = s00; sums[0][1] = s01; sums[1][0] = s10; sums[1][1] = s11; sums[2][0] = s20; sums[2][1] = s21;
+    sums[3][0] = s30; sums[3][1] = s31; sums[4][0] = s40; sums[4][1] = s41; sums[5][0] = s50; sums[5][1] = s51;
+}
+
+/* One row of scores in place: the tail's mask added, then the softmax. */
+static void softmax_row(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
+    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
+    __m256 high = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
+    float top = largest_lane(high);
+    for (; j < tokens; j++) top = row[j] > top ? row[j] : top;
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= tokens; j += 8) {
+        const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+        _mm256_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = lane_sum(total);
+    for (; j < tokens; j++) {
+        row[j] = expf(row[j] - top);
+        sum += row[j];
+    }
+    const float inverse = 1.0f / sum;
+    const __m256 vector_inverse = _mm256_set1_ps(inverse);
+    for (j = 0; j + 8 <= tokens; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), vector_inverse));
+    for (; j < tokens; j++) row[j] *= inverse;
+}
+
+/* Returns 0, or -1 for a shape it does not take or when memory runs out. */
+int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                const float *keys, int64_t key_head_stride, const float *values, int64_t value_head_stride,
+                int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out, int threads) {
+    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || rows < 1 || question < 1 || question > tokens || rows % question)
+        return -1;
+    const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t tiles = (tokens + KEY_TILE - 1) / KEY_TILE;
+    /* (kv_heads, blocks * ROW_BLOCK, head_dim): the scaled rows, zero rows after the last */
+    float *scaled = calloc((size_t)(kv_heads * blocks * ROW_BLOCK * head_dim), sizeof(float));
+    if (!scaled) return -1;
+    for (int64_t h = 0; h < kv_heads; h++)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t c = 0; c < head_dim; c++)
+                scaled[(h * blocks * ROW_BLOCK + r) * head_dim + c] = query[(h * rows + r) * head_dim + c] * scale;
+#pragma omp parallel num_threads(threads)
+    {
+        float tile[MAX_HEAD_DIM * KEY_TILE] __attribute__((aligned(32)));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * tiles; task++) {  /* scores: one tile of keys, every row */
+            const int64_t h = task / tiles, first = (task % tiles) * KEY_TILE;
+            const int64_t count = tokens - first < KEY_TILE ? tokens - first : KEY_TILE;
+            transposed_tile(keys + h * key_head_stride + first * head_dim, count, head_dim, tile);
+            for (int64_t block = 0; block < blocks; block++) {
+                const float *a[ROW_BLOCK];
+                for (int i = 0; i < ROW_BLOCK; i++) a[i] = scaled + (h * blocks * ROW_BLOCK + block * ROW_BLOCK + i) * head_dim;
+                __m256 acc[ROW_BLOCK][2];
+                tile_product(a, tile, KEY_TILE, head_dim, acc);
+                for (int i = 0; i < ROW_BLOCK && block * ROW_BLOCK + i < rows; i++) {
+                    float lanes[KEY_TILE];
+                    _mm256_storeu_ps(lanes, acc[i][0]);
+                    _mm256_storeu_ps(lanes + 8, acc[i][1]);
+                    memcpy(weights + (h * rows + block * ROW_BLOCK + i) * tokens + first, lanes, sizeof(float) * count);
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < kv_heads * rows; r++)
+            softmax_row(weights + r * tokens, tokens, tail_mask + ((r % rows) % question) * question, question);
+#pragma omp for schedule(dynamic)
+        for (int64_t task = 0; task < kv_heads * blocks; task++) {  /* values: a block of rows, every channel */
+            const int64_t h = task / blocks, block = task % blocks;
+            const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
+            const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
+            for (int i = 0; i < ROW_BLOCK; i++) a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens;
+            for (int64_t c = 0; c < head_dim; c += 16) {
+                __m256 acc[ROW_BLOCK][2];
+                tile_product(a, values + h * value_head_stride + c, head_dim, tokens, acc);
+                for (int i = 0; i < live; i++) {
+                    float *target = out + (h * rows + block * ROW_BLOCK + i) * head_dim + c;
+                    _mm256_storeu_ps(target, acc[i][0]);
+                    _mm256_storeu_ps(target + 8, acc[i][1]);
+                }
+            }
+        }
+    }
+    free(scaled);
+    return 0;
+}
