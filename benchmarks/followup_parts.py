@@ -4,7 +4,7 @@ One document is prefilled once and saved with the default stored bits; then, tak
 - restore: load_cache with snapkv's C dequantizer (snapkv/kernels/dequantize.c) and with PyTorch's ops
   (SNAPKV_NATIVE_KERNELS=0 for that call);
 - question pass + first token, over the cache loaded as `ask` loads it (with room for the question) unless said:
-    C attention, into the room: the question's attention by snapkv/kernels/attention.c, its keys and values
+    C attention, into the room: the question's attention by snapkv/kernels/few_rows.c, its keys and values
         written into the room after each head's (presized.RoomLayer): what snapkv does;
     C attention, appended: the same over a cache loaded without room (each layer copied to append the question);
     matmuls, into the room: PyTorch's matmuls for the attention (SNAPKV_NATIVE_KERNELS=0 for the pass);

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from . import native
 
 BLOCK = 32
-KERNEL_ROWS = 1  # rows taken by the kernel; more go to PyTorch (the kernel measured no faster at 2+, see README)
+KERNEL_ROWS = 1  # rows taken by the block kernel (it measured no faster at 2+, see README)
+FEW_ROWS = 64  # up to this many rows (a question) are multiplied with the fp32 weights by kernels/few_rows.c
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,19 @@ def exact_blocks(weight: torch.Tensor) -> Blocks | None:
     return None
 
 
+def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (rows, in) fp32 contiguous -> (rows, out) = x @ W^T with W (out, in) fp32, by kernels/few_rows.c (F.linear
+    where its shape or layout does not fit)."""
+    rows, inputs = x.shape
+    if inputs % 8 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return F.linear(x, weight)
+    y = torch.empty(rows, weight.shape[0])
+    if native.kernels().linear_rows(x.data_ptr(), rows, inputs, weight.data_ptr(), weight.shape[0], y.data_ptr(),
+                                    torch.get_num_threads()) != 0:
+        return F.linear(x, weight)
+    return y
+
+
 def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torch.Tensor:
     """x (rows, in) fp32 contiguous, rows <= native.MAX_ROWS -> (rows, out) = x @ W^T, W given as blocks."""
     library = native.kernels()
@@ -106,8 +120,9 @@ def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torc
 
 class BlockLinear(torch.nn.Module):
     """An nn.Linear that also holds its weight as exact Blocks: up to KERNEL_ROWS rows of fp32 on CPU are
-    multiplied from the blocks, everything else by F.linear over `weight` (the same Parameter as before, so a
-    weight tied to the input embeddings stays tied)."""
+    multiplied from the blocks, up to FEW_ROWS (a question) with `weight` by snapkv/kernels/few_rows.c (1.5-2x
+    PyTorch's matmul at 18 rows here), everything else by F.linear over `weight` (the same Parameter as before,
+    so a weight tied to the input embeddings stays tied). Made only where the kernels were available."""
 
     def __init__(self, linear: torch.nn.Linear, blocks: Blocks) -> None:
         super().__init__()
@@ -118,9 +133,11 @@ class BlockLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > KERNEL_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        if rows > FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        y = blockwise_matmul(x.reshape(rows, self.in_features).contiguous(), self.blocks, self.out_features)
+        flat = x.reshape(rows, self.in_features).contiguous()
+        y = (blockwise_matmul(flat, self.blocks, self.out_features) if rows <= KERNEL_ROWS
+             else few_rows_matmul(flat, self.weight))
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -7,7 +7,7 @@ On CPU, sdpa's flash kernel in bf16 is slow for a single query: measured on a 2-
 SHORT_QUERY tokens over a long cache gains the same way. In fp32 a question gains too (20 rows over 7188 keys:
 15.2 ms against sdpa's 21.9, which first repeats each KV head for its query heads), while one decoded row
 does not (sdpa 1.80 ms, matmuls 1.94 over 7168 keys), so one fp32 row stays with sdpa. A question's fp32 rows go further
-still: snapkv/kernels/attention.c computes scores, softmax and the weighted values in one call (register
+still: snapkv/kernels/few_rows.c computes scores, softmax and the weighted values in one call (register
 tiles; PyTorch's matmuls reach about half this CPU's fp32 rate on 60 rows by 64 channels), where the C kernels
 are available (snapkv.native). On GPUs sdpa's kernels are the right ones, so everything else goes to sdpa unchanged: longer queries (the prompt), other devices, a
 causal query block without a mask, soft-capping, attention sinks, dropout.
@@ -26,7 +26,7 @@ NAME = "snapkv_cpu_decode"
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 SHORT_QUERY = 64  # at most this many query rows take the matmuls: a question; a prompt's block goes to sdpa
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
-NATIVE_HEAD_DIMS = range(16, 257, 16)  # what snapkv/kernels/attention.c takes
+NATIVE_HEAD_DIMS = range(16, 257, 16)  # what snapkv/kernels/few_rows.c takes
 # A module with CAPTURE set (snapkv.compress, while it cuts a cache) gets its fp32 attention weights kept
 # as CAPTURED, (batch, kv_heads, group, q, n), so that scoring the window need not compute them again.
 CAPTURE, CAPTURED = "snapkv_capture_weights", "snapkv_captured_weights"
@@ -71,7 +71,7 @@ def _apply_mask(scores: torch.Tensor, attention_mask: torch.Tensor) -> None:
 
 def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A question's fp32 rows through snapkv/kernels/attention.c: (output (kv_heads, group * q, head_dim),
+    """A question's fp32 rows through snapkv/kernels/few_rows.c: (output (kv_heads, group * q, head_dim),
     weights (kv_heads, group * q, n)), or None where it does not apply (a batch, a layout or head size it does not
     take, earlier columns masked, the kernels unavailable). query (1, heads, q, head_dim); key, value (1, kv_heads,
     n, head_dim), each head's rows contiguous; attention_mask (1, 1, q, n)."""

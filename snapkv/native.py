@@ -1,5 +1,5 @@
 """snapkv's C kernels (snapkv/kernels/*.c: products with 4/8-bit weight blocks, dequantizing a saved cache, a
-question's attention over a long cache):
+question's attention over a long cache and its products with fp32 weights):
 compiled once per machine with the system's C compiler into one shared library, loaded with ctypes.
 
 The library is cached under <snapkv home>/native/, named by a digest of the sources, the compiler and its
@@ -8,7 +8,7 @@ no C compiler, the CPU lacks AVX2 and FMA, or compiling fails, `kernels()` raise
 why, and callers stay on PyTorch; `unavailable_reason()` also says when SNAPKV_NATIVE_KERNELS=0 turns
 them off (for the weight blocks read where a model is set up, not on every product; for a saved cache on
 each restore; for a question's attention on each layer's call). -ffp-contract=off applies to every file: the
-block product's minimum term is a product and a sum, not one FMA (attention.c's FMAs are written out).
+block product's minimum term is a product and a sum, not one FMA (few_rows.c's FMAs are written out).
 """
 
 import ctypes
@@ -21,7 +21,7 @@ from importlib import resources
 
 from .paths import snapkv_home
 
-SOURCES = ("blockwise_matmul.c", "dequantize.c", "attention.c")
+SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c")
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "SNAPKV_NATIVE_KERNELS"  # =0 turns the kernels off (measure against PyTorch)
@@ -90,7 +90,9 @@ def _load() -> ctypes.CDLL:
                                         size, pointer, pointer, ctypes.c_int, ctypes.c_int]
     library.attend_rows.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, size, pointer, size, size, size,
                                     pointer, pointer, pointer, ctypes.c_int]
-    for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows):
+    library.linear_rows.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
+    for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
+                     library.linear_rows):
         function.restype = ctypes.c_int
     return library
 
@@ -99,7 +101,7 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 
 def kernels() -> ctypes.CDLL:
-    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows), or NativeUnavailable. Built and loaded once per process."""
+    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

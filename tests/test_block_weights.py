@@ -98,20 +98,41 @@ def test_kernel_matches_the_fp32_product(make, rows):
 
 
 @needs_kernels
-def test_block_linear_uses_the_kernel_for_one_row_and_pytorch_for_a_prompt(monkeypatch):
+def test_block_linear_uses_the_block_kernel_for_one_row_few_rows_for_a_question_and_pytorch_for_a_prompt(
+        monkeypatch):
     linear = torch.nn.Linear(64, 96, bias=True)
     linear.weight.data = four_bit_weight(96, 64)
     layer = BlockLinear(linear, exact_blocks(linear.weight))
     calls = []
-    real = block_weights.blockwise_matmul
-    monkeypatch.setattr(block_weights, "blockwise_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    for name in ("blockwise_matmul", "few_rows_matmul"):
+        real = getattr(block_weights, name)
+        monkeypatch.setattr(block_weights, name, lambda *a, name=name, real=real: calls.append((name, a[0].shape))
+                            or real(*a))
     with torch.inference_mode():
-        one = torch.randn(1, 1, 64)
-        assert torch.allclose(layer(one), linear(one), atol=1e-5)
-        prompt = torch.randn(1, 10, 64)
+        for rows in (1, 10, block_weights.FEW_ROWS):
+            x = torch.randn(1, rows, 64)
+            y = layer(x)
+            assert y.shape == (1, rows, 96) and torch.allclose(y, linear(x), atol=1e-5)
+        prompt = torch.randn(1, block_weights.FEW_ROWS + 1, 64)
         assert torch.equal(layer(prompt), linear(prompt))
-    assert calls == [(1, 64)]
+    assert calls == [("blockwise_matmul", (1, 64)), ("few_rows_matmul", (10, 64)),
+                     ("few_rows_matmul", (block_weights.FEW_ROWS, 64))]
     assert layer.weight is linear.weight  # the same Parameter: ties and state_dict keys unchanged
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, inputs, outputs", [(18, 576, 960), (7, 64, 33), (2, 1536, 16), (64, 8, 100)])
+def test_few_rows_kernel_matches_the_fp32_product(rows, inputs, outputs):
+    """kernels/few_rows.c's x @ W^T for any number of rows (blocks of 6) and outputs (tiles of 16) agrees with the
+    product in fp64 to fp32 rounding; an input size it does not take (not a multiple of 8) goes to F.linear."""
+    torch.manual_seed(rows)
+    x, weight = torch.randn(rows, inputs), torch.randn(outputs, inputs)
+    expected = x.double() @ weight.double().T
+    got = block_weights.few_rows_matmul(x, weight)
+    assert got.shape == (rows, outputs)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    odd, odd_weight = torch.randn(rows, 12), torch.randn(outputs, 12)
+    assert torch.equal(block_weights.few_rows_matmul(odd, odd_weight), torch.nn.functional.linear(odd, odd_weight))
 
 
 @needs_kernels

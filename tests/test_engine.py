@@ -517,7 +517,7 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
                                                                    (1, 1, 2, 33, 16), (4, 2, 13, 16, 32)])
 def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_heads, group, rows, keys, head_dim,
                                                                            monkeypatch):
-    """fp32 question rows go to snapkv/kernels/attention.c where every row attends to all the earlier keys: the
+    """fp32 question rows go to snapkv/kernels/few_rows.c where every row attends to all the earlier keys: the
     output and the kept weights agree with PyTorch's matmuls to fp32 rounding, for any number of rows and keys (tiles
     of 6 rows and 16 keys with remainders), head sizes and groups, boolean or additive masks, strided caches (a
     RoomLayer's view); earlier keys masked, or the kernels turned off, take the matmuls."""

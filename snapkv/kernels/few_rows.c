@@ -1,6 +1,9 @@
-/* Attention of a few fp32 query rows (a question) over a long cache, in one call: scores, softmax and the
- * weighted sum of the values, for one batch entry.
+/* Products for a few fp32 rows (a question's tokens) against many: a question's attention over a long cache, and
+ * a linear layer's product with its fp32 weights. Both read the long side 16 rows at a time, transposed in
+ * registers into a (depth, 16) tile that feeds every short row through a register tile of 6 rows x 16 columns:
+ * for ~20 tokens PyTorch's matmuls reach about half of this CPU's fp32 rate, these about 3/4.
  *
+ * attend_rows: scores, softmax and the weighted sum of the values in one call, for one batch entry.
  *   query:   (kv_heads, rows, head_dim), the query heads of each KV head one after another (row r is the
  *            question's token r % question); scaled here by `scale` before the products, as PyTorch's path
  *            scales the rows (snapkv/cpu_attention.py)
@@ -10,13 +13,12 @@
  *            row attends to all the earlier columns
  *   weights: (kv_heads, rows, tokens) out: the softmax, kept (snapkv.compress scores SnapKV from it)
  *   out:     (kv_heads, rows, head_dim) out: weights @ values
+ *   exp is Cephes' single-precision polynomial (within 2 ulp of expf).
+ * linear_rows: y (rows, n) = x (rows, k) @ W^T for W (n, k) row-major (snapkv.block_weights: a question's rows).
  *
- * Why: for a question of ~20 tokens (60 rows per KV head) over thousands of keys, PyTorch's matmuls reach
- * about half of this CPU's fp32 rate; register tiles of 6 rows x 16 keys (scores) and 6 rows x 16 channels
- * (values) reach about 3/4. The keys are read 16 at a time and transposed in registers, so that one tile
- * feeds all the query rows. exp is Cephes' single-precision polynomial (within 2 ulp of expf). Work is
- * spread over `threads` OpenMP threads: key tiles for the scores, rows for the softmax, row blocks for
- * the values. Needs AVX2 and FMA; head_dim a multiple of 16, at most MAX_HEAD_DIM. */
+ * Work is spread over `threads` OpenMP threads (tiles of the long side; for attention then rows for the softmax
+ * and row blocks for the values). Needs AVX2 and FMA; head_dim a multiple of 16, at most MAX_HEAD_DIM; k a
+ * multiple of 8. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -79,17 +81,17 @@ static inline void transpose_8x8(const float *src, int64_t src_stride, float *ds
     }
 }
 
-/* tile (head_dim, KEY_TILE) = keys' `count` rows transposed, zero past count. */
-static void transposed_tile(const float *keys, int64_t count, int64_t head_dim, float *tile) {
+/* tile (depth, KEY_TILE) = the `count` rows of `long_rows` (each `depth` floats) transposed, zero past count. */
+static void transposed_tile(const float *long_rows, int64_t count, int64_t depth, float *tile) {
     if (count == KEY_TILE) {
-        for (int64_t c = 0; c < head_dim; c += 8) {
-            transpose_8x8(keys + c, head_dim, tile + c * KEY_TILE, KEY_TILE);
-            transpose_8x8(keys + 8 * head_dim + c, head_dim, tile + c * KEY_TILE + 8, KEY_TILE);
+        for (int64_t c = 0; c < depth; c += 8) {
+            transpose_8x8(long_rows + c, depth, tile + c * KEY_TILE, KEY_TILE);
+            transpose_8x8(long_rows + 8 * depth + c, depth, tile + c * KEY_TILE + 8, KEY_TILE);
         }
         return;
     }
-    for (int64_t c = 0; c < head_dim; c++)
-        for (int64_t j = 0; j < KEY_TILE; j++) tile[c * KEY_TILE + j] = j < count ? keys[j * head_dim + c] : 0.0f;
+    for (int64_t c = 0; c < depth; c++)
+        for (int64_t j = 0; j < KEY_TILE; j++) tile[c * KEY_TILE + j] = j < count ? long_rows[j * depth + c] : 0.0f;
 }
 
 /* sums[i] (16 lanes in two vectors) = sum over k < depth of a[i][k] * b[k * b_stride + 0..15], for ROW_BLOCK
@@ -112,6 +114,33 @@ static inline void tile_product(const float *const a[ROW_BLOCK], const float *b,
     }
     sums[0][0] = s00; sums[0][1] = s01; sums[1][0] = s10; sums[1][1] = s11; sums[2][0] = s20; sums[2][1] = s21;
     sums[3][0] = s30; sums[3][1] = s31; sums[4][0] = s40; sums[4][1] = s41; sums[5][0] = s50; sums[5][1] = s51;
+}
+
+/* (rows, depth) zero-padded to whole blocks of ROW_BLOCK rows, times `scale`; NULL when memory runs out. */
+static float *padded_rows(const float *rows_in, int64_t rows, int64_t depth, float scale) {
+    const int64_t padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    float *padded_copy = calloc((size_t)(padded * depth), sizeof(float));
+    if (padded_copy)
+        for (int64_t i = 0; i < rows * depth; i++) padded_copy[i] = rows_in[i] * scale;
+    return padded_copy;
+}
+
+/* out[r * out_stride + j] = sum over c < depth of a[r][c] * tile[c][j], for r < rows, j < count: every short row
+ * (`a`, padded by padded_rows) against one transposed tile. */
+static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const float *tile, int64_t count,
+                            float *out, int64_t out_stride) {
+    for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
+        const float *block[ROW_BLOCK];
+        for (int i = 0; i < ROW_BLOCK; i++) block[i] = a + (first + i) * depth;
+        __m256 sums[ROW_BLOCK][2];
+        tile_product(block, tile, KEY_TILE, depth, sums);
+        for (int i = 0; i < ROW_BLOCK && first + i < rows; i++) {
+            float lanes[KEY_TILE];
+            _mm256_storeu_ps(lanes, sums[i][0]);
+            _mm256_storeu_ps(lanes + 8, sums[i][1]);
+            memcpy(out + (first + i) * out_stride, lanes, sizeof(float) * count);
+        }
+    }
 }
 
 /* One row of scores in place: the tail's mask added, then the softmax. */
@@ -144,17 +173,17 @@ static void softmax_row(float *row, int64_t tokens, const float *tail_mask, int6
 int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
                 const float *keys, int64_t key_head_stride, const float *values, int64_t value_head_stride,
                 int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out, int threads) {
-    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || rows < 1 || question < 1 || question > tokens || rows % question)
+    if (head_dim % 16 || head_dim > MAX_HEAD_DIM || kv_heads < 1 || rows < 1 || question < 1 || question > tokens || rows % question)
         return -1;
     const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t tiles = (tokens + KEY_TILE - 1) / KEY_TILE;
-    /* (kv_heads, blocks * ROW_BLOCK, head_dim): the scaled rows, zero rows after the last */
-    float *scaled = calloc((size_t)(kv_heads * blocks * ROW_BLOCK * head_dim), sizeof(float));
-    if (!scaled) return -1;
-    for (int64_t h = 0; h < kv_heads; h++)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t c = 0; c < head_dim; c++)
-                scaled[(h * blocks * ROW_BLOCK + r) * head_dim + c] = query[(h * rows + r) * head_dim + c] * scale;
+    float *scaled[kv_heads];  /* per KV head, its rows scaled and padded */
+    int missing = 0;
+    for (int64_t h = 0; h < kv_heads; h++) missing |= !(scaled[h] = padded_rows(query + h * rows * head_dim, rows, head_dim, scale));
+    if (missing) {
+        for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]);
+        return -1;
+    }
 #pragma omp parallel num_threads(threads)
     {
         float tile[MAX_HEAD_DIM * KEY_TILE] __attribute__((aligned(32)));
@@ -163,18 +192,7 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
             const int64_t h = task / tiles, first = (task % tiles) * KEY_TILE;
             const int64_t count = tokens - first < KEY_TILE ? tokens - first : KEY_TILE;
             transposed_tile(keys + h * key_head_stride + first * head_dim, count, head_dim, tile);
-            for (int64_t block = 0; block < blocks; block++) {
-                const float *a[ROW_BLOCK];
-                for (int i = 0; i < ROW_BLOCK; i++) a[i] = scaled + (h * blocks * ROW_BLOCK + block * ROW_BLOCK + i) * head_dim;
-                __m256 acc[ROW_BLOCK][2];
-                tile_product(a, tile, KEY_TILE, head_dim, acc);
-                for (int i = 0; i < ROW_BLOCK && block * ROW_BLOCK + i < rows; i++) {
-                    float lanes[KEY_TILE];
-                    _mm256_storeu_ps(lanes, acc[i][0]);
-                    _mm256_storeu_ps(lanes + 8, acc[i][1]);
-                    memcpy(weights + (h * rows + block * ROW_BLOCK + i) * tokens + first, lanes, sizeof(float) * count);
-                }
-            }
+            rows_times_tile(scaled[h], rows, head_dim, tile, count, weights + h * rows * tokens + first, tokens);
         }
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < kv_heads * rows; r++)
@@ -196,6 +214,33 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
             }
         }
     }
-    free(scaled);
+    for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]);
     return 0;
+}
+
+/* Returns 0, or -1 for a shape it does not take or when memory runs out. */
+int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y, int threads) {
+    if (rows < 1 || k < 8 || k % 8) return -1;
+    float *padded = padded_rows(x, rows, k, 1.0f);
+    if (!padded) return -1;
+    const int64_t tiles = (n + KEY_TILE - 1) / KEY_TILE;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *tile = aligned_alloc(32, sizeof(float) * (size_t)(k * KEY_TILE));  /* (k, 16): too large for a stack */
+        if (!tile) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tiles; task++) {
+            if (!tile) continue;
+            const int64_t first = task * KEY_TILE, count = n - first < KEY_TILE ? n - first : KEY_TILE;
+            transposed_tile(weight + first * k, count, k, tile);
+            rows_times_tile(padded, rows, k, tile, count, y + first, n);
+        }
+        free(tile);
+    }
+    free(padded);
+    return failed ? -1 : 0;
 }
