@@ -22,6 +22,7 @@ from importlib import resources
 from .paths import snapkv_home
 
 SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c")
+HEADERS = ("simd.h",)  # included by the sources: written beside them, part of the library's digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "SNAPKV_NATIVE_KERNELS"  # =0 turns the kernels off (measure against PyTorch)
@@ -46,7 +47,8 @@ def _cpu_supports_kernels() -> bool:
 
 
 def _build(sources: dict[str, bytes], compiler: str) -> str:
-    """The path of the compiled library, compiling it first if these sources and compiler have none yet."""
+    """The path of the compiled library, compiling it first if these sources (.c files, and the headers they
+    include) and compiler have none yet."""
     material = b"".join(name.encode() + text for name, text in sources.items())
     digest = hashlib.sha256(material + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     folder = snapkv_home() / "native"
@@ -55,11 +57,10 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
         return str(library)
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
-        source_files = []
         for name, text in sources.items():
-            source_files.append(os.path.join(scratch, name))
-            with open(source_files[-1], "wb") as handle:
+            with open(os.path.join(scratch, name), "wb") as handle:
                 handle.write(text)
+        source_files = [os.path.join(scratch, name) for name in sources if name.endswith(".c")]
         built = os.path.join(scratch, "built.so")
         try:
             result = subprocess.run([compiler, *FLAGS, *source_files, "-o", built], capture_output=True, text=True,
@@ -68,7 +69,8 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
             raise NativeUnavailable(f"could not run the C compiler {compiler}: {error}") from error
         if result.returncode != 0:
             first = (result.stderr.strip().splitlines() or ["no message"])[0]
-            raise NativeUnavailable(f"compiling {', '.join(sources)} failed: {first}")
+            raise NativeUnavailable(f"compiling {', '.join(name for name in sources if name.endswith('.c'))} failed: "
+                                    f"{first}")
         os.replace(built, library)  # whole or absent: another process may be loading it
     for obsolete in folder.glob("blockwise_matmul-*.so"):  # the library's name before it held two files
         obsolete.unlink(missing_ok=True)
@@ -78,7 +80,7 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
 def _load() -> ctypes.CDLL:
     if not _cpu_supports_kernels():
         raise NativeUnavailable("this CPU lacks AVX2 and FMA")
-    sources = {name: resources.files("snapkv").joinpath("kernels", name).read_bytes() for name in SOURCES}
+    sources = {name: resources.files("snapkv").joinpath("kernels", name).read_bytes() for name in SOURCES + HEADERS}
     try:
         library = ctypes.CDLL(_build(sources, _compiler()))
     except OSError as error:

@@ -25,6 +25,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define ROW_BLOCK 6
 #define KEY_TILE 16
 #define MAX_HEAD_DIM 256
@@ -59,26 +61,6 @@ static inline float lane_sum(__m256 v) {
     __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     half = _mm_add_ps(half, _mm_movehl_ps(half, half));
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-}
-
-/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
-static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
-    __m256 r[8], t[8], s[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
-        _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
-    }
 }
 
 /* tile (depth, KEY_TILE) = the `count` rows of `long_rows` (each `depth` floats) transposed, zero past count. */
