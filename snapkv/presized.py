@@ -91,8 +91,8 @@ class RoomLayer(DynamicLayer):
     """A layer over a cache's own keys and values (batch 1, kv_heads, n, head_dim) that have `room` rows free after
     each head's positions: the first update (a question) is written there, not concatenated; any later one
     concatenates as DynamicLayer does. The room belongs to the cache and the next question writes it again, so
-    this is for one forward that cuts the layer (snapkv.compress gathers what it keeps into new tensors); call
-    `release_room` after it."""
+    this is for one forward, a question's pass (one at a time per cache, as a Session answers); call
+    `release_room` after it. A layer the pass cuts (snapkv.compress) leaves the room behind at once."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
         super().__init__()
