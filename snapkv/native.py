@@ -60,7 +60,8 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
         for name, text in sources.items():
             with open(os.path.join(scratch, name), "wb") as handle:
                 handle.write(text)
-        source_files = [os.path.join(scratch, name) for name in sources if name.endswith(".c")]
+        compiled = [name for name in sources if name.endswith(".c")]  # headers are only included
+        source_files = [os.path.join(scratch, name) for name in compiled]
         built = os.path.join(scratch, "built.so")
         try:
             result = subprocess.run([compiler, *FLAGS, *source_files, "-o", built], capture_output=True, text=True,
@@ -69,8 +70,7 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
             raise NativeUnavailable(f"could not run the C compiler {compiler}: {error}") from error
         if result.returncode != 0:
             first = (result.stderr.strip().splitlines() or ["no message"])[0]
-            raise NativeUnavailable(f"compiling {', '.join(name for name in sources if name.endswith('.c'))} failed: "
-                                    f"{first}")
+            raise NativeUnavailable(f"compiling {', '.join(compiled)} failed: {first}")
         os.replace(built, library)  # whole or absent: another process may be loading it
     for obsolete in folder.glob("blockwise_matmul-*.so"):  # the library's name before it held two files
         obsolete.unlink(missing_ok=True)
