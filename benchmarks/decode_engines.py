@@ -3,10 +3,12 @@
 - concat:   the model's own forward, each token appended by concatenation (a copy of the whole cache per token);
 - presized: the model's own forward, the cache copied once into a buffer with room for the answer, written in
   place (snapkv's choice except on CPU in 16 bits, where concatenation measured faster);
-- lean:     snapkv's default: the cache as above, each token through snapkv.lean_decode's written-out step
-  (plain Llama-family models on CPU; the model's forward elsewhere), q/k/v and gate/up each read by one
-  product where their 4/8-bit blocks are fused (snapkv.block_weights);
+- lean:     the cache as above, each token through snapkv.lean_decode's written-out step (plain Llama-family
+  models on CPU; the model's forward elsewhere), q/k/v and gate/up each read by one product where their
+  4/8-bit blocks are fused (snapkv.block_weights);
 - unfused:  the lean step calling each projection on its own (only where blocks are fused);
+- native:   snapkv's default where the weights are blocks: the lean step's layers in one C call
+  (snapkv.native_decode); the lean step elsewhere;
 - compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
@@ -68,11 +70,12 @@ def main() -> None:
         prepared = session.prepare(session.prompt(document, max_tokens=length))
         decoder = CompiledDecoder(loaded.model)
         engines = {"concat": dict(presized=False, lean=False), "presized": dict(presized=True, lean=False),
-                   "lean": dict(), "unfused": dict(), "compiled": dict(decoder=decoder)}
+                   "lean": dict(native=False), "unfused": dict(native=False), "native": dict(),
+                   "compiled": dict(decoder=decoder)}
         if args.no_compiled:
             del engines["compiled"]
         if not any(FUSED in module.__dict__ for module in loaded.model.modules()):
-            del engines["unfused"]
+            del engines["unfused"], engines["native"]
         times = {engine: [] for engine in engines}
         answers = {}
         for round_ in range(args.repeats + 1):  # round 0 warms up (and compiles)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 from transformers import DynamicCache
 
-from . import lean_decode
+from . import lean_decode, native_decode
 from .architectures import attention_layers
 from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
@@ -186,6 +186,7 @@ def answer(
     presized: bool | None = None,
     decoder: "CompiledDecoder | None" = None,
     lean: bool | None = None,
+    native: bool | None = None,
 ) -> Iterator[int]:
     """Yield the answer's token ids, one at a time (stop tokens are not yielded).
 
@@ -204,6 +205,8 @@ def answer(
     (snapkv.compiled); the eager step otherwise, or if compiling fails.
     lean: the eager step as snapkv.lean_decode writes it out (None: where the model qualifies, a plain
     Llama-family model on CPU), or False: the model's own forward, to measure against.
+    native: the lean step's layers in one C call (snapkv.native_decode; None: where the model's projections are
+    4/8-bit blocks and the cache is presized in fp32), or False: the lean step as written in PyTorch.
     """
     device = model_device(model)
     q = question_ids.shape[0]
@@ -227,6 +230,9 @@ def answer(
     elif max_new_tokens > 1 and write_in_place:
         presize(working, max_new_tokens - 1)
     lean = lean is not False and static is None and lean_decode.qualifies(model, working)
+    stepper = None
+    if lean and native is not False and max_new_tokens > 1:
+        stepper = native_decode.for_cache(model, working, start + q, max_new_tokens - 1)
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
         if token in stop_ids:
@@ -244,6 +250,13 @@ def answer(
             static = None  # compiling failed before anything was written: go on eagerly
             if write_in_place:
                 presize(working, max_new_tokens - 1 - step)
+        if stepper is not None:
+            native_logits = stepper.step(token, position)
+            if native_logits is not None:
+                logits = native_logits
+                continue
+            stepper.sync()  # a buffer is full (never expected: sized for the answer): the lean step grows it
+            stepper = None
         if lean:
             logits = lean_decode.decode_step(model, token, position, working)
             continue

@@ -43,7 +43,7 @@ def qualifies(model, cache: DynamicCache) -> bool:
             and not _has_hooks(model))
 
 
-def _rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """As transformers' LlamaRMSNorm computes it."""
     states = hidden.to(torch.float32)
     variance = states.pow(2).mean(-1, keepdim=True)
@@ -66,7 +66,7 @@ def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, 1, head_dim): over the heads
     for layer in inner.layers:
         attention = layer.self_attn
-        normed = _rms_norm(layer.input_layernorm, hidden)
+        normed = rms_norm(layer.input_layernorm, hidden)
         shape = (1, 1, -1, attention.head_dim)
         # (1, heads, 1, head_dim) and (1, kv_heads, 1, head_dim)
         projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
@@ -76,8 +76,8 @@ def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.
         keys, values = cache.update(key, value, attention.layer_idx)
         output, _ = attend(attention, query, keys, values, None, dropout=0.0, scaling=attention.scaling)
         hidden = hidden + attention.o_proj(output.reshape(1, 1, -1).contiguous())
-        normed = _rms_norm(layer.post_attention_layernorm, hidden)
+        normed = rms_norm(layer.post_attention_layernorm, hidden)
         mlp = layer.mlp
         gate, up = fused_outputs(mlp, GATE_UP, normed) or [getattr(mlp, name)(normed) for name in GATE_UP]
         hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
-    return model.lm_head(_rms_norm(inner.norm, hidden))[0, -1]
+    return model.lm_head(rms_norm(inner.norm, hidden))[0, -1]

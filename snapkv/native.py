@@ -1,5 +1,6 @@
 """snapkv's C kernels (snapkv/kernels/*.c: products with 4/8-bit weight blocks, dequantizing a saved cache, a
-question's attention over a long cache and its products with fp32 weights):
+question's attention over a long cache and its products with fp32 weights, a decoded token through every layer
+of a model on blocks):
 compiled once per machine with the system's C compiler into one shared library, loaded with ctypes.
 
 The library is cached under <snapkv home>/native/, named by a digest of the sources, the compiler and its
@@ -7,7 +8,7 @@ flags, so a changed kernel or compiler builds anew (about a second). Nothing dep
 no C compiler, the CPU lacks AVX2 and FMA, or compiling fails, `kernels()` raises NativeUnavailable saying
 why, and callers stay on PyTorch; `unavailable_reason()` also says when SNAPKV_NATIVE_KERNELS=0 turns
 them off (for the weight blocks read where a model is set up, not on every product; for a saved cache on
-each restore; for a question's attention on each layer's call). -ffp-contract=off applies to every file: the
+each restore; for a question's attention on each layer's call; for the decode step on each answer). -ffp-contract=off applies to every file: the
 block product's minimum term is a product and a sum, not one FMA (few_rows.c's FMAs are written out).
 """
 
@@ -21,7 +22,7 @@ from importlib import resources
 
 from .paths import snapkv_home
 
-SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c")
+SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c", "decode_step.c")
 HEADERS = ("simd.h",)  # included by the sources: written beside them, part of the library's digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -93,8 +94,9 @@ def _load() -> ctypes.CDLL:
     library.attend_rows.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, size, pointer, size, size, size,
                                     pointer, pointer, pointer, ctypes.c_int]
     library.linear_rows.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
+    library.decode_token.argtypes = [pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int]  # snapkv.native_decode
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
-                     library.linear_rows):
+                     library.linear_rows, library.decode_token):
         function.restype = ctypes.c_int
     return library
 
@@ -103,7 +105,8 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 
 def kernels() -> ctypes.CDLL:
-    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows), or NativeUnavailable. Built and loaded once per process."""
+    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, decode_token), or
+    NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

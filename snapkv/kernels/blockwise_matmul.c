@@ -13,15 +13,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 #define BLOCK 32
 #define MAX_ROWS 64
-
-static inline float sum_lanes(__m256 v) {
-    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    half = _mm_add_ss(half, _mm_movehdup_ps(half));
-    return _mm_cvtss_f32(half);
-}
 
 static inline __m256 bytes_to_floats(__m128i eight_bytes_low, int is_signed) {
     __m256i widened = is_signed ? _mm256_cvtepi8_epi32(eight_bytes_low) : _mm256_cvtepu8_epi32(eight_bytes_low);
@@ -69,7 +64,7 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
                                               accumulated);
                 from_minimum += minimum[out * blocks + b] * block_sums[b];
             }
-            y[out] = sum_lanes(accumulated) + from_minimum;
+            y[out] = lane_sum(accumulated) + from_minimum;
         }
         free(block_sums);
         return 0;
@@ -93,7 +88,7 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
                 from_minimum[r] += block_minimum * block_sums[r * blocks + b];
             }
         }
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = sum_lanes(accumulated[r]) + from_minimum[r];
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = lane_sum(accumulated[r]) + from_minimum[r];
     }
     free(block_sums);
     return 0;
@@ -119,7 +114,7 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
                 accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
             }
         }
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = sum_lanes(accumulated[r]);
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = lane_sum(accumulated[r]);
     }
     return 0;
 }

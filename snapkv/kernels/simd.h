@@ -1,8 +1,9 @@
-/* SIMD helpers shared by snapkv's C kernels (AVX2). */
+/* SIMD helpers shared by snapkv's C kernels (AVX2 and FMA): a transpose, lane reductions, exp and a softmax row. */
 #ifndef SNAPKV_SIMD_H
 #define SNAPKV_SIMD_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 /* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
@@ -23,6 +24,65 @@ static inline void transpose_8x8(const float *src, int64_t src_stride, float *ds
         _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
         _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
     }
+}
+
+/* e^x for 8 lanes (x = n ln 2 + r, then a polynomial in r); 0 below -87.3, where expf underflows. */
+static inline __m256 exp_8(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(-87.3f);
+    const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lowest);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
+}
+
+static inline float largest_lane(__m256 v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+static inline float lane_sum(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* One row of scores in place: the last `question` columns get tail_mask added (question 0: none), then the
+ * softmax. */
+static inline void softmax_row(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
+    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
+    __m256 high = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
+    float top = largest_lane(high);
+    for (; j < tokens; j++) top = row[j] > top ? row[j] : top;
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= tokens; j += 8) {
+        const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+        _mm256_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = lane_sum(total);
+    for (; j < tokens; j++) {
+        row[j] = expf(row[j] - top);
+        sum += row[j];
+    }
+    const float inverse = 1.0f / sum;
+    const __m256 vector_inverse = _mm256_set1_ps(inverse);
+    for (j = 0; j + 8 <= tokens; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), vector_inverse));
+    for (; j < tokens; j++) row[j] *= inverse;
 }
 
 #endif

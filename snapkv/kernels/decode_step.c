@@ -1,0 +1,233 @@
+/* One decoded token through every layer of a plain Llama-family decoder whose projections are 4/8-bit blocks
+ * (snapkv.block_weights), in one call: no Python between the layers (snapkv/native_decode.py).
+ *
+ * Each layer, as transformers' LlamaDecoderLayer computes it for one token:
+ *   normed = RMSNorm(hidden)                      x * 1/sqrt(mean(x^2) + eps), times the norm's weight
+ *   q, k, v = normed @ [Wq; Wk; Wv]^T             one product over the fused blocks, q then k then v
+ *   q, k = q * cos + rotate_half(q) * sin, ...    RoPE at the token's position (cos, sin given, head_dim each)
+ *   k, v written into the layer's cache buffers   slot `filled`, which then grows by one
+ *   a = softmax(q . K^T * scaling) @ V            query head h reads KV head h / (heads / kv_heads)
+ *   hidden += a @ Wo^T
+ *   normed = RMSNorm(hidden)
+ *   gate, up = normed @ [Wgate; Wup]^T
+ *   hidden += (silu(gate) * up) @ Wdown^T
+ * The same formulas in fp32, summed in another order (so logits agree within rounding, not to the bit); exp
+ * for the softmax and SiLU is simd.h's polynomial.
+ *
+ * Cache buffers: (kv_heads, capacity, head_dim) fp32 per layer, rows [0, filled) held. When any layer is full
+ * nothing is written and -2 is returned (the caller grows the buffers); -1, also before anything is written, for
+ * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads` OpenMP threads inside each product and the attention.
+ * Needs AVX2 and FMA; head_dim a multiple of 8. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+typedef struct {
+    int64_t bits;          /* 4 or 8 */
+    const void *codes;     /* as snapkv/kernels/blockwise_matmul.c reads them */
+    const float *scale;
+    const float *minimum;  /* 4-bit only */
+    int64_t outputs, inputs;
+} block_matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* (hidden) */
+    block_matrix qkv, o, gate_up, down;
+    float *keys, *values;                 /* (kv_heads, capacity, head_dim) */
+    int64_t capacity, filled;
+} decoder_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float norm_eps, scaling;
+} decoder_shape;
+
+int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                const float *minimum, int64_t n, float *y, int threads);
+int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
+                float *y, int threads);
+
+static int product(const block_matrix *m, const float *x, float *y, int threads) {
+    if (m->bits == 4) return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
+    if (m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
+    return -1;
+}
+
+/* Whether m multiplies `inputs` values into `outputs`, in a form product() takes. */
+static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
+    return (m->bits == 4 || m->bits == 8) && m->inputs == inputs && m->outputs == outputs && inputs % 32 == 0;
+}
+
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    __m256 squares = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    float total = lane_sum(squares);
+    for (; j < n; j++) total += x[j] * x[j];
+    const float inverse = 1.0f / sqrtf(total / (float)n + eps);
+    for (j = 0; j < n; j++) out[j] = weight[j] * (x[j] * inverse);
+}
+
+/* v (head_dim) in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[half:], v[:half]). */
+static void rotate(float *v, const float *cos, const float *sin, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float first = v[i], second = v[i + half];
+        v[i] = first * cos[i] - second * sin[i];
+        v[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+}
+
+/* [sum(a0), ..., sum(a7)]: the lanes of each of eight vectors added. */
+static inline __m256 eight_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                __m256 a7) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* scores[t] = query . keys[t] for t in [first, end); keys `head_dim` floats apart. */
+static void dot_keys(const float *query, const float *keys, int64_t first, int64_t end, int64_t head_dim,
+                     float *scores) {
+    int64_t t = first;
+    for (; t + 8 <= end; t += 8) {
+        const float *k = keys + t * head_dim;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t c = 0; c < head_dim; c += 8) {
+            const __m256 q = _mm256_loadu_ps(query + c);
+            a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + c), a0);
+            a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + head_dim + c), a1);
+            a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * head_dim + c), a2);
+            a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * head_dim + c), a3);
+            a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 4 * head_dim + c), a4);
+            a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 5 * head_dim + c), a5);
+            a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 6 * head_dim + c), a6);
+            a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 7 * head_dim + c), a7);
+        }
+        _mm256_storeu_ps(scores + t, eight_sums(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+    for (; t < end; t++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t c = 0; c < head_dim; c += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), _mm256_loadu_ps(keys + t * head_dim + c), a);
+        scores[t] = lane_sum(a);
+    }
+}
+
+#define KEY_CHUNK 128  /* keys per task of the scores */
+#define VALUE_ROWS 4   /* query heads summed together over one KV head's values */
+
+/* out (heads, head_dim) = softmax(query . K^T) @ V per query head; query already scaled. keys, values: per KV head
+ * `tokens` rows, heads `head_stride` floats apart. scores: (heads, tokens) scratch. */
+static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int64_t head_dim, const float *keys,
+                       const float *values, int64_t head_stride, int64_t tokens, float *scores, float *out,
+                       int threads) {
+    const int64_t group = heads / kv_heads, chunks = (tokens + KEY_CHUNK - 1) / KEY_CHUNK;
+    const int64_t row_blocks = (group + VALUE_ROWS - 1) / VALUE_ROWS, channel_blocks = head_dim / 8;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < heads * chunks; task++) {
+            const int64_t h = task / chunks, first = (task % chunks) * KEY_CHUNK;
+            const int64_t end = first + KEY_CHUNK < tokens ? first + KEY_CHUNK : tokens;
+            dot_keys(query + h * head_dim, keys + (h / group) * head_stride, first, end, head_dim,
+                     scores + h * tokens);
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++) softmax_row(scores + h * tokens, tokens, NULL, 0);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * row_blocks * channel_blocks; task++) {
+            const int64_t kv = task / (row_blocks * channel_blocks), block = (task / channel_blocks) % row_blocks;
+            const int64_t c = (task % channel_blocks) * 8, first_head = kv * group + block * VALUE_ROWS;
+            const int64_t live = group - block * VALUE_ROWS < VALUE_ROWS ? group - block * VALUE_ROWS : VALUE_ROWS;
+            const float *w[VALUE_ROWS];  /* rows past the group's last repeat its first; not stored */
+            for (int i = 0; i < VALUE_ROWS; i++) w[i] = scores + (first_head + (i < live ? i : 0)) * tokens;
+            const float *v = values + kv * head_stride + c;
+            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+            for (int64_t t = 0; t < tokens; t++, v += head_dim) {
+                const __m256 row = _mm256_loadu_ps(v);
+                s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[0] + t), row, s0);
+                s1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[1] + t), row, s1);
+                s2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[2] + t), row, s2);
+                s3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[3] + t), row, s3);
+            }
+            const __m256 sums[VALUE_ROWS] = {s0, s1, s2, s3};
+            for (int i = 0; i < live; i++) _mm256_storeu_ps(out + (first_head + i) * head_dim + c, sums[i]);
+        }
+    }
+}
+
+/* x / (1 + e^-x), the input clamped where e^-x would overflow (the result there is 0 in fp32 anyway). */
+static void silu_times(const float *gate, const float *up, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), highest = _mm256_set1_ps(88.0f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + j);
+        const __m256 e = exp_8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), highest));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + j)));
+    }
+    for (; j < n; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+}
+
+static void add_into(float *hidden, const float *added, int64_t n) {
+    for (int64_t j = 0; j < n; j++) hidden[j] += added[j];
+}
+
+/* hidden (shape->hidden) in and out: the token's embedding in, the last layer's output (before the final norm)
+ * out. Returns 0, -1 (a matrix it does not take, no memory) or -2 (a cache full: nothing written). */
+int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
+                 const float *cos, const float *sin, int threads) {
+    const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
+    if (d % 8 || kv_heads < 1 || heads % kv_heads) return -1;
+    const int64_t n = shape->hidden, projected = (heads + 2 * kv_heads) * d;
+    int64_t longest = 0;
+    for (int64_t l = 0; l < layer_count; l++) {  /* everything checked before anything is written */
+        const decoder_layer *layer = &layers[l];
+        if (!fits(&layer->qkv, n, projected) || !fits(&layer->o, heads * d, n)
+            || !fits(&layer->gate_up, n, 2 * shape->intermediate) || !fits(&layer->down, shape->intermediate, n))
+            return -1;
+        if (layer->filled >= layer->capacity) return -2;
+        longest = layer->filled + 1 > longest ? layer->filled + 1 : longest;
+    }
+    const int64_t widest = projected > 2 * shape->intermediate ? projected : 2 * shape->intermediate;
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * n + widest + heads * d + shape->intermediate + heads * longest));
+    if (!scratch) return -1;
+    float *normed = scratch, *added = normed + n, *wide = added + n, *attended = wide + widest;
+    float *activation = attended + heads * d, *scores = activation + shape->intermediate;
+    int status = 0;
+    for (int64_t l = 0; l < layer_count && status == 0; l++) {
+        decoder_layer *layer = &layers[l];
+        rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
+        if ((status = product(&layer->qkv, normed, wide, threads))) break;
+        float *query = wide, *key = wide + heads * d, *value = key + kv_heads * d;
+        for (int64_t h = 0; h < heads; h++) {
+            rotate(query + h * d, cos, sin, d);
+            for (int64_t c = 0; c < d; c++) query[h * d + c] *= shape->scaling;
+        }
+        const int64_t head_stride = layer->capacity * d, slot = layer->filled;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(key + h * d, cos, sin, d);
+            memcpy(layer->keys + h * head_stride + slot * d, key + h * d, sizeof(float) * (size_t)d);
+            memcpy(layer->values + h * head_stride + slot * d, value + h * d, sizeof(float) * (size_t)d);
+        }
+        layer->filled = slot + 1;
+        attend_one(query, heads, kv_heads, d, layer->keys, layer->values, head_stride, layer->filled, scores,
+                   attended, threads);
+        if ((status = product(&layer->o, attended, added, threads))) break;
+        add_into(hidden, added, n);
+        rms_norm(hidden, layer->post_norm, n, shape->norm_eps, normed);
+        if ((status = product(&layer->gate_up, normed, wide, threads))) break;
+        silu_times(wide, wide + shape->intermediate, shape->intermediate, activation);
+        if ((status = product(&layer->down, activation, added, threads))) break;
+        add_into(hidden, added, n);
+    }
+    free(scratch);
+    return status;
+}

@@ -1,0 +1,162 @@
+"""One decoded token through every layer in one C call (snapkv/kernels/decode_step.c), for a plain Llama-family
+model on CPU in fp32 whose projections are 4/8-bit blocks (snapkv.block_weights: the embedded model).
+
+snapkv.lean_decode already writes one token's forward as the few PyTorch calls it needs, but on a 2-core CPU
+those ~35 calls per layer, and sdpa's attention for one query row (a kernel made for many rows), still cost
+more than reading the weights. Here the layers run without Python between them: norms, RoPE, the cache write,
+the attention and the SiLU in C, the products by the same block kernels as before. The same formulas, summed in
+another order: logits agree with the lean step within rounding (tests/test_native_decode.py), greedy answers
+token for token in the tests and on the needle grid.
+
+Used by snapkv.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, every
+layer presized in fp32 with room, fused q/k/v and gate/up blocks, no biases, the kernels available); else the lean
+step, as before. The C call writes each token into the presized buffers' next slot; `sync` points the
+PresizedLayers' views at what is written (before the lean step takes over from it).
+"""
+
+import ctypes
+
+import torch
+
+from . import lean_decode, native
+from .block_weights import FUSED, BlockLinear, Blocks
+from .presized import PresizedLayer
+
+ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
+
+
+class _BlockMatrix(ctypes.Structure):
+    _fields_ = [("bits", ctypes.c_int64), ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("minimum", ctypes.c_void_p), ("outputs", ctypes.c_int64), ("inputs", ctypes.c_int64)]
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _BlockMatrix),
+                ("o", _BlockMatrix), ("gate_up", _BlockMatrix), ("down", _BlockMatrix), ("keys", ctypes.c_void_p),
+                ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64), ("filled", ctypes.c_int64)]
+
+
+class _DecoderShape(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("norm_eps", ctypes.c_float),
+                ("scaling", ctypes.c_float)]
+
+
+def _matrix(blocks: Blocks) -> _BlockMatrix:
+    """The C view of `blocks`, its shape as its scales give it (decode_token checks it against the model's)."""
+    minimum = blocks.minimum.data_ptr() if blocks.minimum is not None else None
+    outputs, block_count = blocks.scale.shape
+    return _BlockMatrix(blocks.bits, blocks.codes.data_ptr(), blocks.scale.data_ptr(), minimum, outputs,
+                        block_count * 32)
+
+
+def _contiguous(blocks: Blocks) -> bool:
+    return all(part is None or part.is_contiguous() for part in (blocks.codes, blocks.scale, blocks.minimum))
+
+
+def _fused(module: torch.nn.Module, names: tuple[str, ...]) -> Blocks | None:
+    return module.__dict__.get(FUSED, {}).get(names)
+
+
+def _plain_blocks(linear: torch.nn.Module) -> Blocks | None:
+    return linear.blocks if isinstance(linear, BlockLinear) and linear.bias is None else None
+
+
+def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
+    """A PresizedLayer over contiguous fp32 buffers (1, kv_heads, capacity, head_dim) with room for a token."""
+    if type(layer) is not PresizedLayer:
+        return False
+    buffers = (layer._key_buffer, layer._value_buffer)
+    return all(buffer.dtype == torch.float32 and buffer.is_contiguous() and buffer.shape[0] == 1
+               and tuple(buffer.shape[1::2]) == (kv_heads, head_dim) for buffer in buffers)
+
+
+class NativeDecoder:
+    """decode_token over one answer's presized cache; build with for_cache."""
+
+    def __init__(self, model, cache, layers: list[_DecoderLayer], shape: _DecoderShape,
+                 cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
+        self._model, self._cache = model, cache
+        self._layers = (_DecoderLayer * len(layers))(*layers)
+        self._shape = shape
+        self._cos, self._sin = cos, sin  # (positions, head_dim) from first_position on
+        self._first_position = first_position
+        self._hidden = torch.empty(shape.hidden)
+        # the tensors the C side reads and writes, kept alive as long as the pointers are
+        self._kept = [(layer._key_buffer, layer._value_buffer) for layer in cache.layers]
+
+    @torch.inference_mode()
+    def step(self, token: int, position: int) -> torch.Tensor | None:
+        """Append `token` at `position`; the next logits (vocab,), or None when a layer's room is full (nothing
+        written: call sync, then the lean step grows the buffers)."""
+        inner = self._model.model
+        index = position - self._first_position
+        if 0 <= index < self._cos.shape[0]:
+            cos, sin = self._cos[index], self._sin[index]
+        else:
+            cos, sin = _rotary(self._model, position, 1)
+            cos, sin = cos[0], sin[0]
+        self._hidden.copy_(inner.embed_tokens.weight[token])
+        status = native.kernels().decode_token(
+            ctypes.byref(self._shape), self._layers, len(self._layers), self._hidden.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), torch.get_num_threads())
+        if status == ROOM_EXHAUSTED:
+            return None
+        if status != 0:
+            raise MemoryError("the native decode step ran out of memory")
+        hidden = self._hidden.view(1, 1, -1)
+        return self._model.lm_head(lean_decode.rms_norm(inner.norm, hidden))[0, -1]
+
+    def sync(self) -> None:
+        """Point every PresizedLayer's views at the slots the C calls have filled."""
+        for layer, written in zip(self._cache.layers, self._layers):
+            layer._filled = written.filled
+            layer._point_views()
+
+
+def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (count, head_dim) contiguous fp32, for positions first_position.. from the model's own
+    rotary module (so its scaling, e.g. Llama 3's, is the model's)."""
+    inner = model.model
+    positions = torch.arange(first_position, first_position + count).unsqueeze(0)  # (1, count)
+    probe = inner.embed_tokens.weight[:1].unsqueeze(0)  # (1, 1, hidden): dtype and device for the module
+    cos, sin = inner.rotary_emb(probe, positions)  # (1, count, head_dim) each
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+@torch.inference_mode()
+def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
+    """A NativeDecoder for `steps` tokens from `first_position` over `cache` (its layers presized), or None where
+    the model or the cache is not one it takes: then the lean step decodes."""
+    if native.unavailable_reason() is not None or not lean_decode.qualifies(model, cache) or steps < 1:
+        return None
+    config, inner = model.config, model.model
+    decoder_layers = inner.layers
+    if len(decoder_layers) != len(cache.layers) or inner.embed_tokens.weight.dtype != torch.float32:
+        return None
+    attention = decoder_layers[0].self_attn
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim, hidden, intermediate = attention.head_dim, config.hidden_size, config.intermediate_size
+    if head_dim % 8 or heads % kv_heads:
+        return None
+    layers = []
+    for decoder_layer, cache_layer in zip(decoder_layers, cache.layers):
+        attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
+        qkv, gate_up = _fused(attention, lean_decode.QKV), _fused(mlp, lean_decode.GATE_UP)
+        o, down = _plain_blocks(attention.o_proj), _plain_blocks(mlp.down_proj)
+        norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
+        if (None in (qkv, gate_up, o, down) or not all(map(_contiguous, (qkv, gate_up, o, down)))
+                or not _buffers_fit(cache_layer, kv_heads, head_dim)
+                or any(norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms)
+                or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
+                or norms[1].variance_epsilon != norms[0].variance_epsilon):
+            return None
+        layers.append(_DecoderLayer(
+            norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+            _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down),
+            cache_layer._key_buffer.data_ptr(), cache_layer._value_buffer.data_ptr(),
+            cache_layer._key_buffer.shape[2], cache_layer._filled))
+    shape = _DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
+                          decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
+    cos, sin = _rotary(model, first_position, steps)
+    return NativeDecoder(model, cache, layers, shape, cos, sin, first_position)

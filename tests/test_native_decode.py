@@ -1,0 +1,143 @@
+"""The decode step in one C call (snapkv.native_decode, snapkv/kernels/decode_step.c) against the lean step it
+stands in for, on tiny Llama models whose weights are exact 4/8-bit blocks."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from snapkv import lean_decode, native, native_decode
+from snapkv.block_weights import use_block_weights
+from snapkv.config import Cut
+from snapkv.generation import answer, prefill, run_forward
+from snapkv.presized import presize
+
+from conftest import COMMON, build_tiny
+from test_block_weights import snap_to_blocks
+
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                reason=f"kernels unavailable: {native.unavailable_reason()}")
+
+PROMPT = 203  # not a multiple of 8 (the attention's tail of keys) and past one 128-key chunk
+QUESTION = 12
+
+
+def on_blocks(name: str = "llama-gqa", **config):
+    """A tiny model (a TINY_CONFIGS name, or a Llama with `config` over the shared sizes) rounded to blocks."""
+    if config:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, **config}), attn_implementation="sdpa")
+        model = model.eval()
+    else:
+        model = build_tiny(name)
+    snap_to_blocks(model)
+    use_block_weights(model)
+    return model
+
+
+def ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, 256, (length,), generator=torch.Generator().manual_seed(seed))
+
+
+def after_question(model, room: int):
+    """Two working caches of one prompt after the same question's pass, presized with `room` slots."""
+    cache = prefill(model, ids(PROMPT, 1), None)
+    positions = torch.arange(PROMPT, PROMPT + QUESTION).unsqueeze(0)
+    workings = []
+    for _ in range(2):
+        working = cache.to_dynamic_cache(model.config)
+        run_forward(model, ids(QUESTION, 2).unsqueeze(0), working, positions)
+        presize(working, room)
+        workings.append(working)
+    return workings
+
+
+@pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),  # groups of 2
+                                   dict(num_attention_heads=4, num_key_value_heads=4),  # one query head per KV head
+                                   dict(num_attention_heads=8, num_key_value_heads=1)])  # a group of 8, head_dim 8
+def test_native_step_is_the_lean_step_within_rounding(heads):
+    """Logits and the keys/values written agree with the lean step's to fp32 rounding, token after token, for
+    grouped and plain heads; the C step writes each token into the presized buffers' next slot."""
+    model = on_blocks(**heads)
+    lean, natively = after_question(model, room=8)
+    stepper = native_decode.for_cache(model, natively, PROMPT + QUESTION, 8)
+    assert stepper is not None
+    for step, token in enumerate([5, 17, 99, 3, 250]):
+        position = PROMPT + QUESTION + step
+        expected = lean_decode.decode_step(model, token, position, lean)
+        found = stepper.step(token, position)
+        assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
+    stepper.sync()
+    for lean_layer, native_layer in zip(lean.layers, natively.layers):
+        assert native_layer.keys.shape == lean_layer.keys.shape == (1, heads["num_key_value_heads"],
+                                                                    PROMPT + QUESTION + 5, 64 // heads["num_attention_heads"])
+        assert torch.allclose(native_layer.keys, lean_layer.keys, atol=1e-5)
+        assert torch.allclose(native_layer.values, lean_layer.values, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_answers_use_the_native_step_and_are_the_lean_steps_token_for_token(tied, monkeypatch):
+    model = build_tiny("llama-gqa")
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.get_input_embeddings().weight
+    snap_to_blocks(model)
+    use_block_weights(model)
+    cache = prefill(model, ids(PROMPT, 1), None)
+    steps = []
+    real_step = native_decode.NativeDecoder.step
+    monkeypatch.setattr(native_decode.NativeDecoder, "step", lambda *a: steps.append(1) or real_step(*a))
+    for cut in (None, Cut(64, 8)):
+        expected = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=24, native=False))
+        assert not steps
+        found = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=24))
+        assert found == expected
+        assert len(steps) == len(found) - 1  # every token after the question pass's
+        steps.clear()
+
+
+def test_a_full_buffer_hands_over_to_the_lean_step_with_nothing_lost():
+    """When a layer has no free slot the C call writes nothing and says so; after sync the lean step grows the
+    buffers and goes on: the same logits as the lean step all along."""
+    model = on_blocks()
+    lean, natively = after_question(model, room=2)
+    stepper = native_decode.for_cache(model, natively, PROMPT + QUESTION, 2)
+    tokens = [5, 17, 99, 3]
+    for step, token in enumerate(tokens):
+        position = PROMPT + QUESTION + step
+        expected = lean_decode.decode_step(model, token, position, lean)
+        found = stepper.step(token, position) if stepper is not None else None
+        if found is None and stepper is not None:
+            assert step == 2  # the room held two tokens
+            stepper.sync()
+            stepper = None
+        if stepper is None:
+            found = lean_decode.decode_step(model, token, position, natively)
+        assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
+    assert all(layer.keys.shape[2] == PROMPT + QUESTION + len(tokens) for layer in natively.layers)
+
+
+def test_a_matrix_of_another_shape_is_refused_before_anything_is_written():
+    model = on_blocks()
+    _, natively = after_question(model, room=4)
+    stepper = native_decode.for_cache(model, natively, PROMPT + QUESTION, 4)
+    stepper._layers[2].down.inputs += 32  # as if the blocks were another matrix's
+    with pytest.raises(MemoryError):  # status -1
+        stepper.step(5, PROMPT + QUESTION)
+    assert [layer.filled for layer in stepper._layers] == [PROMPT + QUESTION] * 3
+
+
+def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch):
+    plain = build_tiny("llama-gqa")  # fp32 weights, no blocks
+    _, working = after_question(plain, room=4)
+    assert lean_decode.qualifies(plain, working)
+    assert native_decode.for_cache(plain, working, PROMPT + QUESTION, 4) is None
+    qwen2 = on_blocks("qwen2")  # q/k/v with biases: not fused
+    _, working = after_question(qwen2, room=4)
+    assert native_decode.for_cache(qwen2, working, PROMPT + QUESTION, 4) is None
+    model = on_blocks()
+    cache = prefill(model, ids(PROMPT, 1), None).to_dynamic_cache(model.config)  # not presized
+    assert native_decode.for_cache(model, cache, PROMPT, 4) is None
+    _, working = after_question(model, room=4)
+    assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is not None
+    monkeypatch.setenv(native.DISABLE, "0")
+    assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is None
