@@ -121,46 +121,77 @@ static void dot_keys(const float *query, const float *keys, int64_t first, int64
     }
 }
 
-#define KEY_CHUNK 128  /* keys per task of the scores */
-#define VALUE_ROWS 4   /* query heads summed together over one KV head's values */
+#define CHUNK 128       /* keys per task: a chunk of one KV head's keys or values stays in L1 for its whole group */
+#define VALUE_ROWS 3    /* query heads summed together over a chunk of values (a register tile of 3 x 32 channels) */
+
+/* target[i * target_stride + 0 .. 8 * blocks] = sum over t in [first, end) of w[i][t] * v[(t - first) * head_dim + ..]
+ * for i < live: `blocks` (4 or 1) vectors of 8 channels, 3 rows, 12 (or 3) independent sums in registers. */
+static inline void weigh_values(const float *const w[VALUE_ROWS], const float *v, int64_t first, int64_t end,
+                                int64_t head_dim, const int blocks, int64_t live, float *target, int64_t target_stride) {
+    __m256 sums[VALUE_ROWS][4];
+    for (int i = 0; i < VALUE_ROWS; i++)
+        for (int b = 0; b < 4; b++) sums[i][b] = _mm256_setzero_ps();
+    for (int64_t t = first; t < end; t++, v += head_dim) {
+        for (int b = 0; b < blocks; b++) {
+            const __m256 row = _mm256_loadu_ps(v + 8 * b);
+            for (int i = 0; i < VALUE_ROWS; i++)
+                sums[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), row, sums[i][b]);
+        }
+    }
+    for (int i = 0; i < live; i++)
+        for (int b = 0; b < blocks; b++) _mm256_storeu_ps(target + i * target_stride + 8 * b, sums[i][b]);
+}
+
+/* Scratch floats attend_one needs for `tokens` keys. */
+static int64_t attention_scratch(int64_t heads, int64_t head_dim, int64_t tokens) {
+    return heads * tokens + ((tokens + CHUNK - 1) / CHUNK) * heads * head_dim;
+}
 
 /* out (heads, head_dim) = softmax(query . K^T) @ V per query head; query already scaled. keys, values: per KV head
- * `tokens` rows, heads `head_stride` floats apart. scores: (heads, tokens) scratch. */
+ * `tokens` rows, heads `head_stride` floats apart. scratch: attention_scratch floats. Each chunk of keys and of
+ * values is read from memory once for all the query heads of its KV head; the values' chunks give partial sums,
+ * added up at the end. */
 static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int64_t head_dim, const float *keys,
-                       const float *values, int64_t head_stride, int64_t tokens, float *scores, float *out,
+                       const float *values, int64_t head_stride, int64_t tokens, float *scratch, float *out,
                        int threads) {
-    const int64_t group = heads / kv_heads, chunks = (tokens + KEY_CHUNK - 1) / KEY_CHUNK;
-    const int64_t row_blocks = (group + VALUE_ROWS - 1) / VALUE_ROWS, channel_blocks = head_dim / 8;
+    const int64_t group = heads / kv_heads, chunks = (tokens + CHUNK - 1) / CHUNK;
+    float *scores = scratch;                   /* (heads, tokens) */
+    float *partial = scratch + heads * tokens; /* (chunks, heads, head_dim) */
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < heads * chunks; task++) {
-            const int64_t h = task / chunks, first = (task % chunks) * KEY_CHUNK;
-            const int64_t end = first + KEY_CHUNK < tokens ? first + KEY_CHUNK : tokens;
-            dot_keys(query + h * head_dim, keys + (h / group) * head_stride, first, end, head_dim,
-                     scores + h * tokens);
+        for (int64_t task = 0; task < kv_heads * chunks; task++) {
+            const int64_t kv = task / chunks, first = (task % chunks) * CHUNK;
+            const int64_t end = first + CHUNK < tokens ? first + CHUNK : tokens;
+            for (int64_t h = kv * group; h < (kv + 1) * group; h++)
+                dot_keys(query + h * head_dim, keys + kv * head_stride, first, end, head_dim, scores + h * tokens);
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < heads; h++) softmax_row(scores + h * tokens, tokens, NULL, 0);
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < kv_heads * row_blocks * channel_blocks; task++) {
-            const int64_t kv = task / (row_blocks * channel_blocks), block = (task / channel_blocks) % row_blocks;
-            const int64_t c = (task % channel_blocks) * 8, first_head = kv * group + block * VALUE_ROWS;
-            const int64_t live = group - block * VALUE_ROWS < VALUE_ROWS ? group - block * VALUE_ROWS : VALUE_ROWS;
-            const float *w[VALUE_ROWS];  /* rows past the group's last repeat its first; not stored */
-            for (int i = 0; i < VALUE_ROWS; i++) w[i] = scores + (first_head + (i < live ? i : 0)) * tokens;
-            const float *v = values + kv * head_stride + c;
-            __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-            for (int64_t t = 0; t < tokens; t++, v += head_dim) {
-                const __m256 row = _mm256_loadu_ps(v);
-                s0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[0] + t), row, s0);
-                s1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[1] + t), row, s1);
-                s2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[2] + t), row, s2);
-                s3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w[3] + t), row, s3);
+        for (int64_t task = 0; task < kv_heads * chunks; task++) {
+            const int64_t kv = task / chunks, chunk = task % chunks, first = chunk * CHUNK;
+            const int64_t end = first + CHUNK < tokens ? first + CHUNK : tokens;
+            for (int64_t block = 0; block * VALUE_ROWS < group; block++) {
+                const int64_t first_head = kv * group + block * VALUE_ROWS;
+                const int64_t live = group - block * VALUE_ROWS < VALUE_ROWS ? group - block * VALUE_ROWS : VALUE_ROWS;
+                const float *w[VALUE_ROWS];  /* rows past the group's last repeat its first; not stored */
+                for (int i = 0; i < VALUE_ROWS; i++) w[i] = scores + (first_head + (i < live ? i : 0)) * tokens;
+                float *target = partial + (chunk * heads + first_head) * head_dim;
+                const float *v = values + kv * head_stride + first * head_dim;
+                int64_t c = 0;
+                for (; c + 32 <= head_dim; c += 32) weigh_values(w, v + c, first, end, head_dim, 4, live, target + c, head_dim);
+                for (; c < head_dim; c += 8) weigh_values(w, v + c, first, end, head_dim, 1, live, target + c, head_dim);
             }
-            const __m256 sums[VALUE_ROWS] = {s0, s1, s2, s3};
-            for (int i = 0; i < live; i++) _mm256_storeu_ps(out + (first_head + i) * head_dim + c, sums[i]);
         }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t c = 0; c < head_dim; c += 8) {
+                __m256 total = _mm256_loadu_ps(partial + h * head_dim + c);
+                for (int64_t chunk = 1; chunk < chunks; chunk++)
+                    total = _mm256_add_ps(total, _mm256_loadu_ps(partial + (chunk * heads + h) * head_dim + c));
+                _mm256_storeu_ps(out + h * head_dim + c, total);
+            }
     }
 }
 
@@ -197,10 +228,11 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
         longest = layer->filled + 1 > longest ? layer->filled + 1 : longest;
     }
     const int64_t widest = projected > 2 * shape->intermediate ? projected : 2 * shape->intermediate;
-    float *scratch = malloc(sizeof(float) * (size_t)(2 * n + widest + heads * d + shape->intermediate + heads * longest));
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * n + widest + heads * d + shape->intermediate
+                                                     + attention_scratch(heads, d, longest)));
     if (!scratch) return -1;
     float *normed = scratch, *added = normed + n, *wide = added + n, *attended = wide + widest;
-    float *activation = attended + heads * d, *scores = activation + shape->intermediate;
+    float *activation = attended + heads * d, *attention = activation + shape->intermediate;
     int status = 0;
     for (int64_t l = 0; l < layer_count && status == 0; l++) {
         decoder_layer *layer = &layers[l];
@@ -218,7 +250,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
             memcpy(layer->values + h * head_stride + slot * d, value + h * d, sizeof(float) * (size_t)d);
         }
         layer->filled = slot + 1;
-        attend_one(query, heads, kv_heads, d, layer->keys, layer->values, head_stride, layer->filled, scores,
+        attend_one(query, heads, kv_heads, d, layer->keys, layer->values, head_stride, layer->filled, attention,
                    attended, threads);
         if ((status = product(&layer->o, attended, added, threads))) break;
         add_into(hidden, added, n);
