@@ -16,8 +16,8 @@
  *
  * Cache buffers: (kv_heads, capacity, head_dim) fp32 per layer, rows [0, filled) held. When any layer is full
  * nothing is written and -2 is returned (the caller grows the buffers); -1, also before anything is written, for
- * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads` OpenMP threads inside each product and the attention.
- * Needs AVX2 and FMA; head_dim a multiple of 8. */
+ * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
+ * OpenMP threads inside each product and the attention. Needs AVX2 and FMA; head_dim a multiple of 8. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -59,7 +59,8 @@ static int product(const block_matrix *m, const float *x, float *y, int threads)
 
 /* Whether m multiplies `inputs` values into `outputs`, in a form product() takes. */
 static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
-    return (m->bits == 4 || m->bits == 8) && m->inputs == inputs && m->outputs == outputs && inputs % 32 == 0;
+    return ((m->bits == 4 && m->minimum) || m->bits == 8) && m->codes && m->scale && m->inputs == inputs
+           && m->outputs == outputs && inputs % 32 == 0;
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
