@@ -8,7 +8,8 @@ this step computes the same thing with the same modules' weights, the same rotar
 attention function and the same arithmetic (each formula as transformers writes it, so fp32 results agree to
 the bit), and none of the plumbing. Everything else (other architectures, sliding windows, GPUs, a model
 with hooks such as accelerate's device_map) keeps the model's own forward. Checked against it, logits and
-greedy tokens, in tests/test_engine.py.
+greedy tokens, in tests/test_engine.py. Where the projections are also 4/8-bit blocks (the embedded model in fp32),
+snapkv.native_decode runs these same layers in one C call per token instead.
 """
 
 import torch

@@ -141,9 +141,10 @@ def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, tmp_path, monke
     afterwards is bit for bit the one saved to the store before any answer."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    from snapkv import lean_decode
+    from snapkv import lean_decode, native_decode
 
     real_forward, real_step, decode_steps = LlamaForCausalLM.forward, lean_decode.decode_step, []
+    real_native_step = native_decode.NativeDecoder.step
 
     def decode_step_begins() -> None:
         decode_steps.append(1)
@@ -155,12 +156,17 @@ def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, tmp_path, monke
             decode_step_begins()
         return real_forward(self, *args, **kwargs)
 
-    def lean_step(*args):  # a decode step through snapkv.lean_decode (the default for this model on CPU)
+    def lean_step(*args):  # a decode step through snapkv.lean_decode (Llama-family models on CPU)
         decode_step_begins()
         return real_step(*args)
 
+    def native_step(self, *args):  # a decode step in one C call (the default for the embedded model in fp32)
+        decode_step_begins()
+        return real_native_step(self, *args)
+
     monkeypatch.setattr(LlamaForCausalLM, "forward", forward)
     monkeypatch.setattr(lean_decode, "decode_step", lean_step)
+    monkeypatch.setattr(native_decode.NativeDecoder, "step", native_step)
     after = tmp_path / "after.snapkv"
     result = invoke("repl", str(SAMPLE), input=f"{REVENUE}\n{REVENUE}\n/save {after}\n")
     assert result.exit_code == 0, result.output
