@@ -197,8 +197,8 @@ def answer(
 
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
-    presized: after the question pass, each layer's cache is copied once into a buffer with room for the
-    answer and every token written in place (snapkv.presized); None where that pays (presize_pays: not
+    presized: once the first token is out (it comes from the question pass), each layer's cache is copied once
+    into a buffer with room for the answer and every token written in place (snapkv.presized); None where that pays (presize_pays: not
     when decoding by snapkv's CPU matmul attention); False appends by concatenation, as
     transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
     decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
@@ -223,16 +223,8 @@ def answer(
     with compressing(model, plan) if plan else nullcontext():
         logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
     release_room(working)
-    static = None
-    write_in_place = presized if presized is not None else presize_pays(model, working)
-    if decoder is not None and max_new_tokens > 1 and decoder.qualifies(working):
-        static = decoder.static_copy(working, max_new_tokens - 1)
-    elif max_new_tokens > 1 and write_in_place:
-        presize(working, max_new_tokens - 1)
-    lean = lean is not False and static is None and lean_decode.qualifies(model, working)
-    stepper = None
-    if lean and native is not False and max_new_tokens > 1:
-        stepper = native_decode.for_cache(model, working, start + q, max_new_tokens - 1)
+    static = stepper = None
+    write_in_place = lean_step = False
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
         if token in stop_ids:
@@ -240,6 +232,15 @@ def answer(
         yield token
         if step + 1 == max_new_tokens:
             return
+        if step == 0:  # the cache made ready for decoding after the first token is out, not before
+            write_in_place = presized if presized is not None else presize_pays(model, working)
+            if decoder is not None and decoder.qualifies(working):
+                static = decoder.static_copy(working, max_new_tokens - 1)
+            elif write_in_place:
+                presize(working, max_new_tokens - 1)
+            lean_step = lean is not False and static is None and lean_decode.qualifies(model, working)
+            if lean_step and native is not False:
+                stepper = native_decode.for_cache(model, working, start + q, max_new_tokens - 1)
         position = start + q + step
         if static is not None:
             compiled_logits = decoder.step(token, position, static)
@@ -257,7 +258,7 @@ def answer(
                 continue
             stepper.sync()  # a buffer is full (never expected: sized for the answer): the lean step grows it
             stepper = None
-        if lean:
+        if lean_step:
             logits = lean_decode.decode_step(model, token, position, working)
             continue
         logits = run_forward(
