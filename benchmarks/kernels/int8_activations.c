@@ -34,6 +34,28 @@ static void round_activations(const float *x, int64_t k, int8_t *xq, float *xs, 
     }
 }
 
+typedef struct {
+    int8_t *codes;       /* (k) */
+    float *scales, *sums; /* (k / 32) */
+} rounded_row;
+
+static void free_row(rounded_row *row) {
+    free(row->codes), free(row->scales), free(row->sums);
+}
+
+/* row = x rounded to 8 bits per block (round_activations); 0, or -1 when memory runs out. */
+static int round_row(const float *x, int64_t k, rounded_row *row) {
+    row->codes = malloc((size_t)k);
+    row->scales = malloc(sizeof(float) * (size_t)(k / BLOCK));
+    row->sums = malloc(sizeof(float) * (size_t)(k / BLOCK));
+    if (!row->codes || !row->scales || !row->sums) {
+        free_row(row);
+        return -1;
+    }
+    round_activations(x, k, row->codes, row->scales, row->sums);
+    return 0;
+}
+
 /* The 8 lanes of 16 pairs of 16-bit products, added pairwise into 32-bit integers, as floats. */
 static inline __m256 pair_sums(__m256i products) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(products, _mm256_set1_epi16(1)));
@@ -44,13 +66,10 @@ int matmul_4bit_int8(const float *x, int64_t k, const uint8_t *codes, const floa
                      int64_t n, float *y, int threads) {
     if (k % BLOCK || k < BLOCK) return -1;
     const int64_t blocks = k / BLOCK;
-    int8_t *xq = malloc((size_t)k);
-    float *xs = malloc(sizeof(float) * (size_t)blocks), *sums = malloc(sizeof(float) * (size_t)blocks);
-    if (!xq || !xs || !sums) {
-        free(xq), free(xs), free(sums);
-        return -1;
-    }
-    round_activations(x, k, xq, xs, sums);
+    rounded_row row;
+    if (round_row(x, k, &row)) return -1;
+    const int8_t *xq = row.codes;
+    const float *xs = row.scales, *sums = row.sums;
     const __m128i low_nibbles = _mm_set1_epi8(0x0F);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
@@ -72,7 +91,7 @@ int matmul_4bit_int8(const float *x, int64_t k, const uint8_t *codes, const floa
         }
         y[out] = lane_sum(_mm256_add_ps(even, odd)) + from_minimum;
     }
-    free(xq), free(xs), free(sums);
+    free_row(&row);
     return 0;
 }
 
@@ -81,13 +100,10 @@ int matmul_8bit_int8(const float *x, int64_t k, const int8_t *codes, const float
                      int threads) {
     if (k % BLOCK || k < BLOCK) return -1;
     const int64_t blocks = k / BLOCK;
-    int8_t *xq = malloc((size_t)k);
-    float *xs = malloc(sizeof(float) * (size_t)blocks), *sums = malloc(sizeof(float) * (size_t)blocks);
-    if (!xq || !xs || !sums) {
-        free(xq), free(xs), free(sums);
-        return -1;
-    }
-    round_activations(x, k, xq, xs, sums);
+    rounded_row row;
+    if (round_row(x, k, &row)) return -1;
+    const int8_t *xq = row.codes;
+    const float *xs = row.scales;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
         const int8_t *row_codes = codes + out * k;
@@ -106,6 +122,6 @@ int matmul_8bit_int8(const float *x, int64_t k, const int8_t *codes, const float
         }
         y[out] = lane_sum(_mm256_add_ps(even, odd));
     }
-    free(xq), free(xs), free(sums);
+    free_row(&row);
     return 0;
 }
