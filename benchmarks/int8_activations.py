@@ -95,7 +95,8 @@ def main() -> None:
                 error = float((y.double() - truth).abs().max() / truth.abs().max())
                 figures[label] = (best_microseconds(lambda: product(y), args.repeats, loops), error)
             (exact_us, exact_error), (int8_us, int8_error) = figures["exact"], figures["int8"]
-            print(f"  {name:<12} {inputs:>5} -> {outputs:<6} {bits}-bit: exact {exact_us:8.0f} us (error {exact_error:.1e}), "
+            print(f"  {name:<12} {inputs:>5} -> {outputs:<6} {bits}-bit: "
+                  f"exact {exact_us:8.0f} us (error {exact_error:.1e}), "
                   f"int8 {int8_us:8.0f} us (error {int8_error:.1e}): {exact_us / int8_us:.2f}x")
 
 

@@ -198,8 +198,8 @@ def answer(
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
     presized: once the first token is out (it comes from the question pass), each layer's cache is copied once
-    into a buffer with room for the answer and every token written in place (snapkv.presized); None where that pays (presize_pays: not
-    when decoding by snapkv's CPU matmul attention); False appends by concatenation, as
+    into a buffer with room for the answer and every token written in place (snapkv.presized); None where
+    that pays (presize_pays: not when decoding by snapkv's CPU matmul attention); False appends by concatenation, as
     transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
     decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
     (snapkv.compiled); the eager step otherwise, or if compiling fails.

@@ -63,7 +63,7 @@ def _plain_blocks(linear: torch.nn.Module) -> Blocks | None:
 
 
 def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
-    """A PresizedLayer over contiguous fp32 buffers (1, kv_heads, capacity, head_dim) with room for a token."""
+    """A PresizedLayer over contiguous fp32 buffers (1, kv_heads, capacity, head_dim) (decode_token checks the room)."""
     if type(layer) is not PresizedLayer:
         return False
     buffers = (layer._key_buffer, layer._value_buffer)
@@ -102,8 +102,8 @@ class NativeDecoder:
             sin.data_ptr(), torch.get_num_threads())
         if status == ROOM_EXHAUSTED:
             return None
-        if status != 0:
-            raise MemoryError("the native decode step ran out of memory")
+        if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
+            raise MemoryError("the C decode step ran out of memory (or refused the model's weight blocks)")
         hidden = self._hidden.view(1, 1, -1)
         return self._model.lm_head(lean_decode.rms_norm(inner.norm, hidden))[0, -1]
 

@@ -68,8 +68,8 @@ def test_native_step_is_the_lean_step_within_rounding(heads):
         assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
     stepper.sync()
     for lean_layer, native_layer in zip(lean.layers, natively.layers):
-        assert native_layer.keys.shape == lean_layer.keys.shape == (1, heads["num_key_value_heads"],
-                                                                    PROMPT + QUESTION + 5, 64 // heads["num_attention_heads"])
+        expected_shape = (1, heads["num_key_value_heads"], PROMPT + QUESTION + 5, 64 // heads["num_attention_heads"])
+        assert native_layer.keys.shape == lean_layer.keys.shape == expected_shape
         assert torch.allclose(native_layer.keys, lean_layer.keys, atol=1e-5)
         assert torch.allclose(native_layer.values, lean_layer.values, atol=1e-5)
 

@@ -128,7 +128,8 @@ static void dot_keys(const float *query, const float *keys, int64_t first, int64
 /* target[i * target_stride + 0 .. 8 * blocks] = sum over t in [first, end) of w[i][t] * v[(t - first) * head_dim + ..]
  * for i < live: `blocks` (4 or 1) vectors of 8 channels, 3 rows, 12 (or 3) independent sums in registers. */
 static inline void weigh_values(const float *const w[VALUE_ROWS], const float *v, int64_t first, int64_t end,
-                                int64_t head_dim, const int blocks, int64_t live, float *target, int64_t target_stride) {
+                                int64_t head_dim, const int blocks, int64_t live, float *target,
+                                int64_t target_stride) {
     __m256 sums[VALUE_ROWS][4];
     for (int i = 0; i < VALUE_ROWS; i++)
         for (int b = 0; b < 4; b++) sums[i][b] = _mm256_setzero_ps();
@@ -181,8 +182,10 @@ static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int6
                 float *target = partial + (chunk * heads + first_head) * head_dim;
                 const float *v = values + kv * head_stride + first * head_dim;
                 int64_t c = 0;
-                for (; c + 32 <= head_dim; c += 32) weigh_values(w, v + c, first, end, head_dim, 4, live, target + c, head_dim);
-                for (; c < head_dim; c += 8) weigh_values(w, v + c, first, end, head_dim, 1, live, target + c, head_dim);
+                for (; c + 32 <= head_dim; c += 32)
+                    weigh_values(w, v + c, first, end, head_dim, 4, live, target + c, head_dim);
+                for (; c < head_dim; c += 8)
+                    weigh_values(w, v + c, first, end, head_dim, 1, live, target + c, head_dim);
             }
         }
 #pragma omp for schedule(static)
