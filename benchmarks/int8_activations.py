@@ -12,7 +12,13 @@ down 1536 -> 576, the output head 576 -> 49152 in 8 bits), with random codes and
 product (best of --repeats loops), and each kernel's largest error against the exact fp64 product, relative to
 the product's largest value. Compiles the candidate with the system's C compiler into a temporary folder.
 
+--needles LENGTHS: also the answers themselves, on the embedded model: a needle document per length and depth
+(--depths), prefilled once, its needle question answered with SnapKV (--budget, query-aware) by the lean decode
+step twice: with snapkv's exact products and with every decoded row's products by the candidate (the question's
+pass, several rows, is the same both ways). Prints each answer pair and whether the needle was found.
+
     .venv/bin/python benchmarks/int8_activations.py
+    .venv/bin/python benchmarks/int8_activations.py --needles 2k,4k,7k --depths 0.1,0.3,0.5,0.7,0.9
 """
 
 import argparse
@@ -54,11 +60,77 @@ def best_microseconds(product, repeats: int, loops: int) -> float:
     return best * 1e6
 
 
+def rounded_products(int8_kernels: ctypes.CDLL, threads: int):
+    """A stand-in for snapkv.block_weights.blockwise_matmul: one row by the candidate, more rows as before."""
+    from snapkv import block_weights
+
+    exact = block_weights.blockwise_matmul
+
+    def product(x: torch.Tensor, blocks, out_features: int) -> torch.Tensor:
+        if x.shape[0] != 1:
+            return exact(x, blocks, out_features)
+        y = torch.empty(1, out_features)
+        inputs, codes, scale = x.shape[1], blocks.codes.data_ptr(), blocks.scale.data_ptr()
+        if blocks.bits == 4:
+            status = int8_kernels.matmul_4bit_int8(x.data_ptr(), inputs, codes, scale, blocks.minimum.data_ptr(),
+                                                   out_features, y.data_ptr(), threads)
+        else:
+            status = int8_kernels.matmul_8bit_int8(x.data_ptr(), inputs, codes, scale, out_features, y.data_ptr(),
+                                                   threads)
+        if status != 0:
+            raise RuntimeError("the candidate kernel refused a product")
+        return y
+
+    return product
+
+
+def compare_answers(int8_kernels: ctypes.CDLL, args) -> None:
+    from snapkv import block_weights
+    from snapkv.config import SnapKVConfig
+    from snapkv.documents import Document
+    from snapkv.generation import answer
+    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.models import load_model
+    from snapkv.session import Session
+    from snapkv.sizes import parse_size
+
+    loaded = load_model()
+    print(f"{loaded.name}, {str(loaded.dtype).replace('torch.', '')}; {loaded.weights}")
+    question = loaded.prompter.question_ids(NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX)
+    session = Session(loaded, SnapKVConfig(budget=args.budget))
+    exact_product, found, same = block_weights.blockwise_matmul, {"exact": 0, "int8": 0}, 0
+    cells = [(parse_size(length, name="--needles"), float(depth)) for length in args.needles.split(",")
+             for depth in args.depths.split(",")]
+    rounded = rounded_products(int8_kernels, args.threads)
+    for number, (length, depth) in enumerate(cells):
+        needle = str(48613 + 7919 * number)
+        document = Document(build_haystack(loaded.tokenizer, filler_text(), length, depth, needle).text)
+        prepared = session.prepare(session.prompt(document, max_tokens=length))
+        texts = {}
+        for label in ("exact", "int8"):
+            block_weights.blockwise_matmul = exact_product if label == "exact" else rounded
+            try:
+                tokens = list(answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
+                                     max_new_tokens=12, stop_ids=loaded.stop_ids, native=False))
+            finally:
+                block_weights.blockwise_matmul = exact_product
+            texts[label] = loaded.tokenizer.decode(tokens)
+            found[label] += needle in texts[label]
+        same += texts["exact"] == texts["int8"]
+        print(f"  {prepared.tokens:>5} tokens, depth {depth:.1f}: exact {texts['exact']!r}, int8 {texts['int8']!r}")
+    print(f"needle found: exact {found['exact']}/{len(cells)}, int8 {found['int8']}/{len(cells)}; "
+          f"the same answer in {same}/{len(cells)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--needles", help="lengths of needle documents whose answers are compared (e.g. 2k,4k)")
+    parser.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths, comma-separated")
+    parser.add_argument("--budget", type=int, default=1024)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     exact_kernels = native.kernels()
     generator = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
@@ -98,6 +170,8 @@ def main() -> None:
             print(f"  {name:<12} {inputs:>5} -> {outputs:<6} {bits}-bit: "
                   f"exact {exact_us:8.0f} us (error {exact_error:.1e}), "
                   f"int8 {int8_us:8.0f} us (error {int8_error:.1e}): {exact_us / int8_us:.2f}x")
+        if args.needles:
+            compare_answers(int8_kernels, args)
 
 
 if __name__ == "__main__":
