@@ -174,10 +174,15 @@ def _fuse(parent: torch.nn.Module) -> None:
         parent.__dict__.setdefault(FUSED, {})[names] = fused
 
 
+def fused_blocks(parent: torch.nn.Module, names: tuple[str, ...]) -> Blocks | None:
+    """The blocks of `parent`'s projections `names` fused into one (see _fuse), or None."""
+    return parent.__dict__.get(FUSED, {}).get(names)
+
+
 def fused_outputs(parent: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
     """The outputs of `parent`'s projections `names` for one fp32 row x (..., in) from their fused blocks, in one
     kernel call, each (..., out); None where they are not fused (call them one by one)."""
-    fused = parent.__dict__.get(FUSED, {}).get(names)
+    fused = fused_blocks(parent, names)
     if fused is None or x.numel() != x.shape[-1] or x.dtype != torch.float32 or torch.is_grad_enabled():
         return None
     sizes = [getattr(parent, name).out_features for name in names]

@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from . import lean_decode, native
-from .block_weights import FUSED, BlockLinear, Blocks
+from .block_weights import BlockLinear, Blocks, fused_blocks
 from .presized import PresizedLayer
 
 ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
@@ -54,10 +54,6 @@ def _contiguous(blocks: Blocks) -> bool:
     return all(part is None or part.is_contiguous() for part in (blocks.codes, blocks.scale, blocks.minimum))
 
 
-def _fused(module: torch.nn.Module, names: tuple[str, ...]) -> Blocks | None:
-    return module.__dict__.get(FUSED, {}).get(names)
-
-
 def _plain_blocks(linear: torch.nn.Module) -> Blocks | None:
     return linear.blocks if isinstance(linear, BlockLinear) and linear.bias is None else None
 
@@ -66,9 +62,8 @@ def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
     """A PresizedLayer over contiguous fp32 buffers (1, kv_heads, capacity, head_dim) (decode_token checks the room)."""
     if type(layer) is not PresizedLayer:
         return False
-    buffers = (layer._key_buffer, layer._value_buffer)
     return all(buffer.dtype == torch.float32 and buffer.is_contiguous() and buffer.shape[0] == 1
-               and tuple(buffer.shape[1::2]) == (kv_heads, head_dim) for buffer in buffers)
+               and tuple(buffer.shape[1::2]) == (kv_heads, head_dim) for buffer in layer.buffers)
 
 
 class NativeDecoder:
@@ -83,7 +78,7 @@ class NativeDecoder:
         self._first_position = first_position
         self._hidden = torch.empty(shape.hidden)
         # the tensors the C side reads and writes, kept alive as long as the pointers are
-        self._kept = [(layer._key_buffer, layer._value_buffer) for layer in cache.layers]
+        self._kept = [layer.buffers for layer in cache.layers]
 
     @torch.inference_mode()
     def step(self, token: int, position: int) -> torch.Tensor | None:
@@ -110,8 +105,7 @@ class NativeDecoder:
     def sync(self) -> None:
         """Point every PresizedLayer's views at the slots the C calls have filled."""
         for layer, written in zip(self._cache.layers, self._layers):
-            layer._filled = written.filled
-            layer._point_views()
+            layer.written_to(written.filled)
 
 
 def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +136,7 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
     layers = []
     for decoder_layer, cache_layer in zip(decoder_layers, cache.layers):
         attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
-        qkv, gate_up = _fused(attention, lean_decode.QKV), _fused(mlp, lean_decode.GATE_UP)
+        qkv, gate_up = fused_blocks(attention, lean_decode.QKV), fused_blocks(mlp, lean_decode.GATE_UP)
         o, down = _plain_blocks(attention.o_proj), _plain_blocks(mlp.down_proj)
         norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
         if (None in (qkv, gate_up, o, down) or not all(map(_contiguous, (qkv, gate_up, o, down)))
@@ -154,8 +148,8 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
         layers.append(_DecoderLayer(
             norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
             _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down),
-            cache_layer._key_buffer.data_ptr(), cache_layer._value_buffer.data_ptr(),
-            cache_layer._key_buffer.shape[2], cache_layer._filled))
+            *(buffer.data_ptr() for buffer in cache_layer.buffers), cache_layer.buffers[0].shape[2],
+            cache_layer.filled))
     shape = _DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
                           decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
     cos, sin = _rotary(model, first_position, steps)

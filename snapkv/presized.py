@@ -39,6 +39,20 @@ class PresizedLayer(DynamicLayer):
         self.keys = self._key_buffer[:, :, : self._filled]
         self.values = self._value_buffer[:, :, : self._filled]
 
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers (batch, kv_heads, capacity, head_dim), filled up to `filled`."""
+        return self._key_buffer, self._value_buffer
+
+    @property
+    def filled(self) -> int:
+        return self._filled
+
+    def written_to(self, filled: int) -> None:
+        """Slots up to `filled` were written into the buffers from outside (snapkv.native_decode): show them."""
+        self._filled = filled
+        self._point_views()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         new = key_states.shape[-2]
         end = self._filled + new
