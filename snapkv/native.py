@@ -95,6 +95,8 @@ def _load() -> ctypes.CDLL:
                                     pointer, pointer, pointer, ctypes.c_int]
     library.linear_rows.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
     library.decode_token.argtypes = [pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int]  # snapkv.native_decode
+    library.wide_vectors.argtypes = [ctypes.c_int]  # 1/0: one row with AVX-512 where the CPU has it, or not; -1: ask
+    library.wide_vectors.restype = ctypes.c_int
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
                      library.linear_rows, library.decode_token):
         function.restype = ctypes.c_int

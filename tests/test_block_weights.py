@@ -97,6 +97,34 @@ def test_kernel_matches_the_fp32_product(make, rows):
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
+@pytest.fixture
+def vector_width():
+    """Sets whether one row is multiplied with AVX-512 (where the CPU has it); the kernels' own choice after."""
+    library = native.kernels()
+    chosen = library.wide_vectors(-1)
+    yield lambda wide: library.wide_vectors(int(wide))
+    library.wide_vectors(chosen)
+
+
+@needs_kernels
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("make", [four_bit_weight, eight_bit_weight])
+@pytest.mark.parametrize("inputs", [64, 576, 1536])
+def test_one_row_matches_the_fp32_product_with_either_vector_width(make, inputs, wide, vector_width):
+    """A decoded token's product: 8-float vectors, or 16 on a CPU with AVX-512 (blocks summed in another order,
+    the minimum's share by masked vectors past a multiple of 16 blocks), each prefetching the weights ahead
+    (also past the matrix's last output, which a prefetch may do)."""
+    if vector_width(wide) != wide:
+        pytest.skip("this CPU lacks AVX-512")
+    weight = make(203, inputs, seed=inputs)
+    blocks = exact_blocks(weight)
+    x = torch.randn(1, inputs)
+    expected = x.double() @ weight.double().T
+    got = block_weights.blockwise_matmul(x, blocks, 203)
+    assert got.shape == (1, 203)
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+
+
 @needs_kernels
 def test_block_linear_uses_the_block_kernel_for_one_row_few_rows_for_a_question_and_pytorch_for_a_prompt(
         monkeypatch):

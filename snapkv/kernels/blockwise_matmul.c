@@ -8,7 +8,11 @@
  *
  * The block's products are summed in fp32 and scaled once per block; the minimum's share is
  * minimum * (sum of the block's x), with the x sums taken once per call. Output rows are spread over
- * `threads` OpenMP threads. Needs AVX2 and FMA (the caller checks the CPU). */
+ * `threads` OpenMP threads. Needs AVX2 and FMA (the caller checks the CPU). One row (a decoded token) on a CPU
+ * with AVX-512 is multiplied with 16-float vectors (compiled for it function by function, chosen at run time;
+ * wide_vectors() turns it off to compare), and each output prefetches the codes and scales of the output
+ * AHEAD rows on: the weights are read once per token, so they come from memory, and the prefetch keeps
+ * those reads going while the block arithmetic runs. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -17,6 +21,32 @@
 
 #define BLOCK 32
 #define MAX_ROWS 64
+#define AHEAD 8  /* outputs ahead whose weights one row's products prefetch */
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+static int wide_chosen = -1;  /* -1: not yet decided; else whether one row uses the AVX-512 functions */
+
+static int cpu_has_wide_vectors(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+           && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+/* Whether one row is multiplied with AVX-512: request 1 (where the CPU has it) or 0 to choose, -1 to ask.
+ * Returns the choice in force after the call. */
+int wide_vectors(int request) {
+    if (request >= 0) wide_chosen = request && cpu_has_wide_vectors();
+    else if (wide_chosen < 0) wide_chosen = cpu_has_wide_vectors();
+    return wide_chosen;
+}
+
+/* The weights of output `out` + AHEAD: its codes (code_bytes per output) and its scales (and minimums). Always
+ * inlined, as prefetch_bytes. */
+__attribute__((always_inline)) static inline void prefetch_ahead(const void *codes, int64_t code_bytes, const float *scale, const float *minimum,
+                                  int64_t blocks, int64_t out) {
+    prefetch_bytes((const char *)codes + (out + AHEAD) * code_bytes, code_bytes);
+    prefetch_bytes(scale + (out + AHEAD) * blocks, blocks * (int64_t)sizeof(float));
+    if (minimum) prefetch_bytes(minimum + (out + AHEAD) * blocks, blocks * (int64_t)sizeof(float));
+}
 
 static inline __m256 bytes_to_floats(__m128i eight_bytes_low, int is_signed) {
     __m256i widened = is_signed ? _mm256_cvtepi8_epi32(eight_bytes_low) : _mm256_cvtepu8_epi32(eight_bytes_low);
@@ -29,6 +59,70 @@ static inline __m256 block_products(__m256 q0, __m256 q1, __m256 q2, __m256 q3, 
     dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
     dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
     return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+}
+
+/* The minimum's share of one output: sum over blocks of minimum[b] * block_sums[b]. */
+WIDE static inline float minimum_share_wide(const float *minimum, const float *block_sums, int64_t blocks) {
+    __m512 share = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 16 <= blocks; b += 16)
+        share = _mm512_fmadd_ps(_mm512_loadu_ps(minimum + b), _mm512_loadu_ps(block_sums + b), share);
+    if (b < blocks) {
+        const __mmask16 rest = (__mmask16)((1u << (blocks - b)) - 1);
+        share = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(rest, minimum + b), _mm512_maskz_loadu_ps(rest, block_sums + b),
+                                share);
+    }
+    return _mm512_reduce_add_ps(share);
+}
+
+/* y (n) = x (k) @ W^T for 4-bit blocks, 16 floats a vector: a block's codes 0..15 and 16..31 each one vector;
+ * even and odd blocks summed apart (two chains of FMAs). */
+WIDE static void one_row_4bit_wide(const float *x, int64_t blocks, const uint8_t *codes, const float *scale,
+                                   const float *minimum, const float *block_sums, int64_t n, float *y, int threads) {
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        prefetch_ahead(codes, blocks * (BLOCK / 2), scale, minimum, blocks, out);
+        const uint8_t *row_codes = codes + out * blocks * (BLOCK / 2);
+        const float *row_scale = scale + out * blocks;
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(row_codes + b * (BLOCK / 2)));
+            const __m128i low = _mm_and_si128(packed, low_nibbles);                      /* elements 0..15 */
+            const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);  /* elements 16..31 */
+            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)),
+                                               _mm512_loadu_ps(x + b * BLOCK + 16),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)),
+                                                             _mm512_loadu_ps(x + b * BLOCK)));
+            if (b & 1) odd = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), odd);
+            else even = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), even);
+        }
+        y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd))
+                 + minimum_share_wide(minimum + out * blocks, block_sums, blocks);
+    }
+}
+
+/* y (n) = x (k) @ W^T for 8-bit blocks, 16 floats a vector, as one_row_4bit_wide. */
+WIDE static void one_row_8bit_wide(const float *x, int64_t blocks, const int8_t *codes, const float *scale, int64_t n,
+                                   float *y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        prefetch_ahead(codes, blocks * BLOCK, scale, NULL, blocks, out);
+        const int8_t *row_codes = codes + out * blocks * BLOCK;
+        const float *row_scale = scale + out * blocks;
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m128i first = _mm_loadu_si128((const __m128i *)(row_codes + b * BLOCK));
+            const __m128i second = _mm_loadu_si128((const __m128i *)(row_codes + b * BLOCK + 16));
+            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)),
+                                               _mm512_loadu_ps(x + b * BLOCK + 16),
+                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)),
+                                                             _mm512_loadu_ps(x + b * BLOCK)));
+            if (b & 1) odd = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), odd);
+            else even = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), even);
+        }
+        y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
 }
 
 /* Returns 0, or -1 when rows or k do not fit (rows > MAX_ROWS, k not a multiple of 32). */
@@ -45,9 +139,15 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
             block_sums[r * blocks + b] = total;
         }
     const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    if (rows == 1 && wide_vectors(-1)) {
+        one_row_4bit_wide(x, blocks, codes, scale, minimum, block_sums, n, y, threads);
+        free(block_sums);
+        return 0;
+    }
     if (rows == 1) {  /* a decoded token: the accumulators stay in registers */
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t out = 0; out < n; out++) {
+            prefetch_ahead(codes, blocks * (BLOCK / 2), scale, minimum, blocks, out);
             __m256 accumulated = _mm256_setzero_ps();
             float from_minimum = 0.0f;
             const uint8_t *row_codes = codes + out * blocks * (BLOCK / 2);
@@ -98,8 +198,13 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
                 float *y, int threads) {
     if (rows < 1 || rows > MAX_ROWS || k % BLOCK) return -1;
     const int64_t blocks = k / BLOCK;
+    if (rows == 1 && wide_vectors(-1)) {
+        one_row_8bit_wide(x, blocks, codes, scale, n, y, threads);
+        return 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
+        if (rows == 1) prefetch_ahead(codes, blocks * BLOCK, scale, NULL, blocks, out);
         __m256 accumulated[MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) accumulated[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {

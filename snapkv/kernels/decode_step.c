@@ -94,12 +94,15 @@ static inline __m256 eight_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m2
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
+#define ROWS_AHEAD 8  /* keys or values ahead of the one read that the attention prefetches */
+
 /* scores[t] = query . keys[t] for t in [first, end); keys `head_dim` floats apart. */
 static void dot_keys(const float *query, const float *keys, int64_t first, int64_t end, int64_t head_dim,
                      float *scores) {
     int64_t t = first;
     for (; t + 8 <= end; t += 8) {
         const float *k = keys + t * head_dim;
+        prefetch_bytes(k + ROWS_AHEAD * head_dim, 8 * head_dim * (int64_t)sizeof(float));
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
         for (int64_t c = 0; c < head_dim; c += 8) {
             const __m256 q = _mm256_loadu_ps(query + c);
@@ -134,6 +137,7 @@ static inline void weigh_values(const float *const w[VALUE_ROWS], const float *v
     for (int i = 0; i < VALUE_ROWS; i++)
         for (int b = 0; b < 4; b++) sums[i][b] = _mm256_setzero_ps();
     for (int64_t t = first; t < end; t++, v += head_dim) {
+        prefetch_bytes(v + ROWS_AHEAD * head_dim, 8 * blocks * (int64_t)sizeof(float));
         for (int b = 0; b < blocks; b++) {
             const __m256 row = _mm256_loadu_ps(v + 8 * b);
             for (int i = 0; i < VALUE_ROWS; i++)

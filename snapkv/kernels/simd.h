@@ -26,6 +26,12 @@ static inline void transpose_8x8(const float *src, int64_t src_stride, float *ds
     }
 }
 
+/* Asks for the cache lines of [start, start + bytes) to be loaded (a hint: never faults, even past an end).
+ * Always inlined: a call of it that GCC does not inline is found to have no effect and dropped. */
+__attribute__((always_inline)) static inline void prefetch_bytes(const void *start, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)start + line, _MM_HINT_T0);
+}
+
 /* e^x for 8 lanes (x = n ln 2 + r, then a polynomial in r); 0 below -87.3, where expf underflows. */
 static inline __m256 exp_8(__m256 x) {
     const __m256 lowest = _mm256_set1_ps(-87.3f);
