@@ -55,6 +55,18 @@ def snapkv_home(tmp_path, monkeypatch):
     return tmp_path / "home"
 
 
+@pytest.fixture
+def vector_width():
+    """A setter of whether the C kernels use AVX-512 (where the CPU has it; it returns the choice in force), and the
+    kernels' own choice again after the test."""
+    from snapkv import native
+
+    library = native.kernels()
+    chosen = library.wide_vectors(-1)
+    yield lambda wide: bool(library.wide_vectors(int(wide)))
+    library.wide_vectors(chosen)
+
+
 @pytest.fixture(scope="session")
 def embedded_home(tmp_path_factory):
     """A snapkv home in which the embedded model has been converted, shared by the whole session."""

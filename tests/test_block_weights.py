@@ -97,15 +97,6 @@ def test_kernel_matches_the_fp32_product(make, rows):
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
-@pytest.fixture
-def vector_width():
-    """Sets whether one row is multiplied with AVX-512 (where the CPU has it); the kernels' own choice after."""
-    library = native.kernels()
-    chosen = library.wide_vectors(-1)
-    yield lambda wide: library.wide_vectors(int(wide))
-    library.wide_vectors(chosen)
-
-
 @needs_kernels
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("make", [four_bit_weight, eight_bit_weight])

@@ -554,6 +554,34 @@ def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_h
             assert torch.allclose(captured.sum(-1), torch.ones(()), atol=1e-5)
 
 
+@pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
+def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vector_width):
+    """few_rows.c's register tile holds a row's 16 columns in one AVX-512 vector where the CPU has it, else in two
+    AVX2 vectors: the same sums in the same order, so the attention, its kept weights and the linear product are
+    bit for bit the same either way."""
+    if not vector_width(True):
+        pytest.skip("this CPU lacks AVX-512")
+    from snapkv import cpu_attention
+    from snapkv.block_weights import few_rows_matmul
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 3, True
+    setattr(module, cpu_attention.CAPTURE, True)
+    rows, keys, head_dim = 19, 203, 64  # tiles of 6 rows and 16 keys, each with a remainder
+    query, key, value = torch.randn(1, 6, rows, head_dim), torch.randn(1, 2, keys, head_dim), torch.randn(1, 2, keys, head_dim)
+    causal = torch.ones(rows, keys, dtype=torch.bool).tril(diagonal=keys - rows).expand(1, 1, rows, keys)
+    x, weight = torch.randn(rows, 200), torch.randn(77, 200)
+    found = {}
+    for wide in (True, False):
+        assert vector_width(wide) == wide
+        output, _ = cpu_attention.attention_forward(module, query, key, value, causal, scaling=head_dim**-0.5)
+        found[wide] = (output, module.__dict__.pop(cpu_attention.CAPTURED), few_rows_matmul(x, weight))
+    for wide_part, narrow_part in zip(found[True], found[False]):
+        assert torch.equal(wide_part, narrow_part)
+    assert torch.allclose(found[True][2], x @ weight.T, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma3"])
 def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch):
     """The same model in bf16 with snapkv's CPU decode attention and with sdpa: every decoded step's logits

@@ -22,7 +22,6 @@
 #define BLOCK 32
 #define MAX_ROWS 64
 #define AHEAD 8  /* outputs ahead whose weights one row's products prefetch */
-#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 
 static int wide_chosen = -1;  /* -1: not yet decided; else whether one row uses the AVX-512 functions */
 

@@ -6,6 +6,11 @@
 #include <math.h>
 #include <stdint.h>
 
+/* Functions compiled for AVX-512, called only where wide_vectors(-1) (snapkv/kernels/blockwise_matmul.c) says
+ * the CPU has it. */
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+int wide_vectors(int request);
+
 /* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
 static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
     __m256 r[8], t[8], u[8];
