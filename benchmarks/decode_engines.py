@@ -9,6 +9,8 @@
 - unfused:  the lean step calling each projection on its own (only where blocks are fused);
 - native:   snapkv's default where the weights are blocks: the lean step's layers in one C call
   (snapkv.native_decode); the lean step elsewhere;
+- narrow:   native with the block products in 8-float (AVX2) vectors, on a CPU with AVX-512 only (where
+  native uses 16-float vectors);
 - compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
@@ -25,6 +27,19 @@ from decode_options import decode_parser
 
 
 @contextmanager
+def narrow_vectors():
+    """Within the block, the C kernels multiply with 8-float vectors even on a CPU with AVX-512."""
+    from snapkv import native
+
+    library = native.kernels()
+    chosen = library.wide_vectors(0)
+    try:
+        yield
+    finally:
+        library.wide_vectors(chosen)
+
+
+@contextmanager
 def projections_one_by_one(model):
     """Within the block, the lean step calls q/k/v and gate/up one by one (their fused blocks set aside)."""
     from snapkv.block_weights import FUSED
@@ -35,6 +50,12 @@ def projections_one_by_one(model):
     finally:
         for module, fused in set_aside.items():
             module.__dict__[FUSED] = fused
+
+
+def wide_vectors_in_use() -> bool:
+    from snapkv import native
+
+    return native.unavailable_reason() is None and bool(native.kernels().wide_vectors(-1))
 
 
 def main() -> None:
@@ -76,12 +97,15 @@ def main() -> None:
             del engines["compiled"]
         if not any(FUSED in module.__dict__ for module in loaded.model.modules()):
             del engines["unfused"], engines["native"]
+        elif wide_vectors_in_use():
+            engines["narrow"] = dict()
         times = {engine: [] for engine in engines}
         answers = {}
         for round_ in range(args.repeats + 1):  # round 0 warms up (and compiles)
             for engine, options in engines.items():
                 tokens, first_at = [], None
-                with projections_one_by_one(loaded.model) if engine == "unfused" else nullcontext():
+                context = {"unfused": lambda: projections_one_by_one(loaded.model), "narrow": narrow_vectors}
+                with context.get(engine, nullcontext)():
                     for token in answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
                                         max_new_tokens=args.decode_tokens, **options):
                         tokens.append(token)

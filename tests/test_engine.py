@@ -569,7 +569,8 @@ def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vecto
     module.num_key_value_groups, module.is_causal = 3, True
     setattr(module, cpu_attention.CAPTURE, True)
     rows, keys, head_dim = 19, 203, 64  # tiles of 6 rows and 16 keys, each with a remainder
-    query, key, value = torch.randn(1, 6, rows, head_dim), torch.randn(1, 2, keys, head_dim), torch.randn(1, 2, keys, head_dim)
+    query = torch.randn(1, 6, rows, head_dim)
+    key, value = torch.randn(1, 2, keys, head_dim), torch.randn(1, 2, keys, head_dim)
     causal = torch.ones(rows, keys, dtype=torch.bool).tril(diagonal=keys - rows).expand(1, 1, rows, keys)
     x, weight = torch.randn(rows, 200), torch.randn(77, 200)
     found = {}

@@ -40,8 +40,9 @@ int wide_vectors(int request) {
 
 /* The weights of output `out` + AHEAD: its codes (code_bytes per output) and its scales (and minimums). Always
  * inlined, as prefetch_bytes. */
-__attribute__((always_inline)) static inline void prefetch_ahead(const void *codes, int64_t code_bytes, const float *scale, const float *minimum,
-                                  int64_t blocks, int64_t out) {
+__attribute__((always_inline)) static inline void prefetch_ahead(const void *codes, int64_t code_bytes,
+                                                                 const float *scale, const float *minimum,
+                                                                 int64_t blocks, int64_t out) {
     prefetch_bytes((const char *)codes + (out + AHEAD) * code_bytes, code_bytes);
     prefetch_bytes(scale + (out + AHEAD) * blocks, blocks * (int64_t)sizeof(float));
     if (minimum) prefetch_bytes(minimum + (out + AHEAD) * blocks, blocks * (int64_t)sizeof(float));
@@ -74,8 +75,13 @@ WIDE static inline float minimum_share_wide(const float *minimum, const float *b
     return _mm512_reduce_add_ps(share);
 }
 
-/* y (n) = x (k) @ W^T for 4-bit blocks, 16 floats a vector: a block's codes 0..15 and 16..31 each one vector;
- * even and odd blocks summed apart (two chains of FMAs). */
+/* A block's 32 codes, as two vectors of 16 floats (elements 0..15, 16..31), times its 32 activations xs: the
+ * products summed per lane. */
+WIDE static inline __m512 block_products_wide(__m512 first, __m512 second, const float *xs) {
+    return _mm512_fmadd_ps(second, _mm512_loadu_ps(xs + 16), _mm512_mul_ps(first, _mm512_loadu_ps(xs)));
+}
+
+/* y (n) = x (k) @ W^T for 4-bit blocks, 16 floats a vector: a block's codes 0..15 and 16..31 each one vector. */
 WIDE static void one_row_4bit_wide(const float *x, int64_t blocks, const uint8_t *codes, const float *scale,
                                    const float *minimum, const float *block_sums, int64_t n, float *y, int threads) {
     const __m128i low_nibbles = _mm_set1_epi8(0x0F);
@@ -89,12 +95,10 @@ WIDE static void one_row_4bit_wide(const float *x, int64_t blocks, const uint8_t
             const __m128i packed = _mm_loadu_si128((const __m128i *)(row_codes + b * (BLOCK / 2)));
             const __m128i low = _mm_and_si128(packed, low_nibbles);                      /* elements 0..15 */
             const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);  /* elements 16..31 */
-            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)),
-                                               _mm512_loadu_ps(x + b * BLOCK + 16),
-                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)),
-                                                             _mm512_loadu_ps(x + b * BLOCK)));
-            if (b & 1) odd = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), odd);
-            else even = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), even);
+            const __m512 products = block_products_wide(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)),
+                                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), x + b * BLOCK);
+            if (b & 1) odd = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), odd);  /* two chains of FMAs */
+            else even = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), even);
         }
         y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd))
                  + minimum_share_wide(minimum + out * blocks, block_sums, blocks);
@@ -113,12 +117,11 @@ WIDE static void one_row_8bit_wide(const float *x, int64_t blocks, const int8_t 
         for (int64_t b = 0; b < blocks; b++) {
             const __m128i first = _mm_loadu_si128((const __m128i *)(row_codes + b * BLOCK));
             const __m128i second = _mm_loadu_si128((const __m128i *)(row_codes + b * BLOCK + 16));
-            const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)),
-                                               _mm512_loadu_ps(x + b * BLOCK + 16),
-                                               _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)),
-                                                             _mm512_loadu_ps(x + b * BLOCK)));
-            if (b & 1) odd = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), odd);
-            else even = _mm512_fmadd_ps(dot, _mm512_set1_ps(row_scale[b]), even);
+            const __m512 products = block_products_wide(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)),
+                                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)),
+                                                        x + b * BLOCK);
+            if (b & 1) odd = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), odd);
+            else even = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), even);
         }
         y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
     }

@@ -84,6 +84,7 @@ WIDE static inline void tile_product_wide(const float *const a[ROW_BLOCK], const
     sums[0] = s0; sums[1] = s1; sums[2] = s2; sums[3] = s3; sums[4] = s4; sums[5] = s5;
 }
 
+/* tile_product_wide's sums stored as 16 floats per row (a function of its own: AVX-512 inside, none outside). */
 WIDE static void tile_product_wide_stored(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
                                           int64_t depth, float sums[ROW_BLOCK][KEY_TILE]) {
     __m512 wide_sums[ROW_BLOCK];
