@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .bits import Bits
 from .config import Tier
-from .presized import RoomLayer
+from .deferred import StoredLayers, restoring_layers
 from .quantize import dequantize, quantize, quantize_mixed, stored_schemes, storage_dtype
 
 
@@ -16,16 +16,18 @@ from .quantize import dequantize, quantize, quantize_mixed, stored_schemes, stor
 class CompressedCache:
     """Per-layer keys and values (RoPE applied), which prompt positions they hold, and the prompt length.
 
-    keys[i], values[i]: (kv_heads, kept_i, head_dim)
+    keys[i], values[i]: (kv_heads, kept_i, head_dim); a cache loaded deferred (snapkv.cachefile.load_cache) holds
+                        StoredLayers here: its layers stay in their stored bits, and each question's pass restores
+                        them one at a time (snapkv.deferred); reading an item restores that layer
     positions[i]:       (kv_heads, kept_i) int64, ascending original positions of the kept entries
     original_length:    tokens in the prompt; whatever follows it is placed from this position on
     token_ids:          (original_length,) int64, the prompt itself
     tier:               what the cache holds and how it was made (the cut, the stored bits, truncation);
                         a saved file's metadata is written from it
     document_span:      where the document sits in the prompt (None: all of it)
-    question_room:      rows left free after each head's positions in the buffers keys[i] and values[i] view (a
-                        cache loaded with room, snapkv.cachefile.load_cache), where a question's pass writes its own
-                        keys and values instead of copying the layer (snapkv.presized.RoomLayer); 0: none
+    question_room:      for a deferred cache, rows left free after each head's positions in the buffer a question's
+                        pass restores each layer into, where the question's keys and values are written instead of
+                        copying the layer (snapkv.deferred); 0: none
     payload:            per layer, (keys, values) as a file stores them (16-bit tensors, or
                         snapkv.quantize.Quantized or Mixed); keys and values above are these, restored. None until
                         the cache is rounded to its stored precision (at_precision)
@@ -50,9 +52,24 @@ class CompressedCache:
         return len(self.keys)
 
     @property
+    def deferred(self) -> bool:
+        """True where the layers stay in their stored bits until a question's pass restores them."""
+        return isinstance(self.keys, StoredLayers)
+
+    def layer_shapes(self) -> list[tuple[int, int, int]]:
+        """Per layer (kv_heads, kept, head_dim) of its keys (and values), without restoring a deferred layer."""
+        if isinstance(self.keys, StoredLayers):
+            return [self.keys.shape(index) for index in range(len(self.keys))]
+        return [tuple(k.shape) for k in self.keys]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.keys.dtype if isinstance(self.keys, StoredLayers) else self.keys[0].dtype
+
+    @property
     def kept_tokens(self) -> int:
         """Positions held per KV head in the largest layer."""
-        return max(k.shape[1] for k in self.keys)
+        return max(p.shape[1] for p in self.positions)
 
     @property
     def compressed(self) -> bool:
@@ -61,8 +78,9 @@ class CompressedCache:
 
     @property
     def kv_bytes(self) -> int:
-        """What the keys and values take in memory, in the compute dtype."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        """What the keys and values take in memory, in the compute dtype (a deferred cache: once restored)."""
+        element = self.compute_dtype.itemsize
+        return sum(2 * heads * kept * head_dim * element for heads, kept, head_dim in self.layer_shapes())
 
     @property
     def stored_kv_bytes(self) -> int:
@@ -71,14 +89,13 @@ class CompressedCache:
 
     @property
     def device(self) -> torch.device:
-        return self.keys[0].device
+        return self.positions[0].device
 
     def full_kv_bytes(self, element_size: int | None = None) -> int:
         """What the uncompressed cache of the same prompt takes (in `element_size` bytes per number; default
         the compute dtype's)."""
-        per_position = sum(
-            (k.shape[0] * k.shape[2]) * (element_size or k.element_size()) * 2 for k in self.keys
-        )
+        element = element_size or self.compute_dtype.itemsize
+        per_position = sum(heads * head_dim * element * 2 for heads, _, head_dim in self.layer_shapes())
         return per_position * self.original_length
 
     def stored_layer_bytes(self) -> list[int]:
@@ -95,18 +112,21 @@ class CompressedCache:
         replaces its tensors (appending concatenates into new ones, SnapKV gathers into new ones),
         so a forward on the returned cache never changes this object. Sliding-window layers go
         through the public update(), which copies.
-        into_room: for a question's pass, where the cache has question_room: the question's keys and values are
-        written into the room (presized.RoomLayer, rows outside this cache's tensors) instead of a copy of each
-        layer; call presized.release_room after that forward.
+        into_room: for a question's pass over a deferred cache: its full-attention layers are restored one at a time
+        into one buffer with the question's keys and values written after each head's positions
+        (deferred.RestoringLayer); call deferred.release_buffers after that forward.
         """
         cache = DynamicCache(config=model_config)
-        for index, (keys, values) in enumerate(zip(self.keys, self.values)):
-            # (1, kv_heads, kept, head_dim)
-            keys, values = keys.unsqueeze(0), values.unsqueeze(0)
+        restoring = (restoring_layers(self.keys, self.values, self.question_room) if into_room and self.deferred
+                     else None)
+        for index in range(self.num_layers):
             layer = cache.layers[index]
-            if type(layer) is DynamicLayer and into_room and self.question_room:
-                cache.layers[index] = RoomLayer(keys, values, self.question_room)
-            elif type(layer) is DynamicLayer:
+            if restoring is not None and type(layer) is DynamicLayer:
+                cache.layers[index] = restoring[index]
+                continue
+            # (1, kv_heads, kept, head_dim)
+            keys, values = self.keys[index].unsqueeze(0), self.values[index].unsqueeze(0)
+            if type(layer) is DynamicLayer:
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values
             else:

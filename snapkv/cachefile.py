@@ -44,6 +44,7 @@ import torch
 from .atomic import write_atomically
 from .bits import Bits
 from .cache import CompressedCache
+from .deferred import StoredLayers
 from .config import Cut, Tier, mode_of
 from .documents import Source
 from .errors import CacheFileError, ConfigError, IncompatibleCacheError
@@ -290,21 +291,23 @@ def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[in
     return length, layers
 
 
-def _check_layer(path: Path, index: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                 length: int, identity: dict | None, dequantized: bool = False) -> None:
-    """dequantized: keys and values were rebuilt from codes whose scales and minimums are checked finite
-    (snapkv.quantize: at most 255 x 65504 + 65504 per value before the rotation sums a head's), so cannot hold
-    NaN or infinity and are not read again to tell."""
-    if keys.dim() != 3 or keys.shape != values.shape or positions.shape != keys.shape[:2]:
-        raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {tuple(keys.shape)}, "
-                             f"{tuple(values.shape)}, {tuple(positions.shape)})")
-    if identity is not None and (keys.shape[0], keys.shape[2]) != (identity["kv_heads"], identity["head_dim"]):
-        raise IncompatibleCacheError(f"{path}: layer {index} has {keys.shape[0]} KV heads of size {keys.shape[2]}, "
+def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, length: int,
+                 identity: dict | None) -> None:
+    """keys, values: tensors, or Quantized / Mixed parts, whose scales and minimums are checked finite
+    (snapkv.quantize: at most 255 x 65504 + 65504 per value before the rotation sums a head's), so that they
+    cannot hold NaN or infinity once restored and are not read to tell."""
+    key_shape, value_shape = tuple(keys.shape), tuple(values.shape)
+    if len(key_shape) != 3 or key_shape != value_shape or tuple(positions.shape) != key_shape[:2]:
+        raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {key_shape}, "
+                             f"{value_shape}, {tuple(positions.shape)})")
+    if identity is not None and (key_shape[0], key_shape[2]) != (identity["kv_heads"], identity["head_dim"]):
+        raise IncompatibleCacheError(f"{path}: layer {index} has {key_shape[0]} KV heads of size {key_shape[2]}, "
                                      f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
     if positions.numel() and (positions.min() < 0 or positions.max() >= length
                               or bool((positions[:, 1:] <= positions[:, :-1]).any())):
         raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
-    if not dequantized and not (_all_finite(keys) and _all_finite(values)):
+    tensors = [part for part in (keys, values) if isinstance(part, torch.Tensor)]
+    if not all(_all_finite(tensor) for tensor in tensors):
         raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
 
 
@@ -359,9 +362,9 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
 
 
 def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int,
-                     restore_dtype: torch.dtype, room: int) -> list[tuple]:
+                     restore_dtype: torch.dtype, defer: bool) -> list[tuple]:
     """(keys, values, positions, stored pair) per layer of a format 2 file; quantized parts restored in
-    restore_dtype, with `room` rows free after each head's (snapkv.quantize.dequantize)."""
+    restore_dtype, or left as they are stored where `defer` (keys and values are then the stored parts)."""
     storage = metadata.get("storage") or {}
     head_dim, kv_heads = storage.get("head_dim"), storage.get("kv_heads")
     try:
@@ -389,7 +392,8 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         shape = (kv_heads, positions.shape[1], head_dim)
         stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
                        for kind in ("keys", "values"))
-        restored = [part if isinstance(part, torch.Tensor) else dequantize(part, restore_dtype, room) for part in stored]
+        restored = [part if isinstance(part, torch.Tensor) or defer else dequantize(part, restore_dtype)
+                    for part in stored]
         quantized = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))
                      if isinstance(piece, Quantized)]
         if quantized and not _all_finite(torch.cat([t.reshape(-1) for part in quantized for t in (part.scale, part.minimum)])):
@@ -411,9 +415,10 @@ def load_cache(path: Path, *, identity: dict | None = None,
     verify:   check the payload digest (reads every byte; skip only for very large trusted files).
     split:    a dict that receives where the time went: read_seconds (header and tensors from disk),
               digest_seconds, restore_seconds (checks, dequantizing, placing on the devices).
-    question_room: rows to leave free after each head's positions where fewer bits are restored on the CPU, for a
-              question's keys and values (CompressedCache.question_room); kept where the layers stay on the CPU in
-              the dtype restored.
+    question_room: for a file of fewer bits than 16 whose layers stay on the CPU in the dtype they are restored
+              in: load it deferred (snapkv.deferred: the codes are kept, and each question's pass restores the
+              layers one at a time), with this many rows free after each head's positions for the question's
+              keys and values (CompressedCache.question_room). 0: restore every layer now.
     """
     from safetensors.torch import load_file
 
@@ -434,32 +439,41 @@ def load_cache(path: Path, *, identity: dict | None = None,
     length, layers = _check_counts(path, metadata, identity)
     if "token_ids" not in tensors or tensors["token_ids"].shape != (length,):
         raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
-    if metadata.get("storage", {}).get("format") == 1:
-        found = _layers_format_1(path, tensors, length, layers)
-    else:
-        # quantized parts straight into a bf16 model's dtype (one pass, as .to() would round), else fp32
-        restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
-        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, question_room)
-    for index, (keys, values, positions, stored) in enumerate(found):
-        dequantized = stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
-        _check_layer(path, index, keys, values, positions, length, identity, dequantized)
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
     if len(devices) != layers:
         raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")
+    # quantized parts straight into a bf16 model's dtype (one pass, as .to() would round), else fp32
+    restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    defer = (question_room > 0 and dtype in (None, restore_dtype)
+             and all(torch.device(one).type == "cpu" for one in devices))
+    if metadata.get("storage", {}).get("format") == 1:
+        found = _layers_format_1(path, tensors, length, layers)
+    else:
+        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, defer)
+    for index, (keys, values, positions, _) in enumerate(found):
+        _check_layer(path, index, keys, values, positions, length, identity)
+    defer = defer and all(stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
+                          for *_, stored in found)  # only quantized layers are left as stored
     span = metadata.get("document_span")
     if span is not None and not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)
                                  and 0 <= span[0] <= span[1] <= length):
         raise CacheFileError(f"{path}: damaged metadata (document span {span!r})")
+    if defer:
+        keys = StoredLayers([keys for keys, *_ in found], restore_dtype)
+        values = StoredLayers([values for _, values, *_ in found], restore_dtype)
+    else:
+        keys = [keys.to(device=devices[i], dtype=dtype) for i, (keys, _, _, _) in enumerate(found)]
+        values = [values.to(device=devices[i], dtype=dtype) for i, (_, values, _, _) in enumerate(found)]
     cache = CompressedCache(
-        keys=[keys.to(device=devices[i], dtype=dtype) for i, (keys, _, _, _) in enumerate(found)],
-        values=[values.to(device=devices[i], dtype=dtype) for i, (_, values, _, _) in enumerate(found)],
+        keys=keys,
+        values=values,
         positions=[positions.to(device=devices[i], dtype=torch.int64) for i, (_, _, positions, _) in enumerate(found)],
         original_length=length,
         token_ids=tensors["token_ids"].to(torch.int64),
         tier=tier,
         document_span=range(*span) if span is not None else None,
         payload=None if found[0][3] is None else [stored for *_, stored in found],
-        question_room=question_room,  # RoomLayer checks each layer's strides: a tensor moved or converted has none
+        question_room=question_room if defer else 0,
     )
     if split is not None:
         split.update(read_seconds=read_at - clock, digest_seconds=digest_at - read_at,

@@ -16,7 +16,8 @@ from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import Cut, Tier
-from .presized import presize, presize_pays, release_room
+from .deferred import release_buffers
+from .presized import presize, presize_pays
 
 if TYPE_CHECKING:
     from .compiled import CompiledDecoder
@@ -222,7 +223,7 @@ def answer(
     positions = torch.arange(start, start + q, device=device).unsqueeze(0)
     with compressing(model, plan) if plan else nullcontext():
         logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
-    release_room(working)
+    release_buffers(working)
     static = stepper = None
     write_in_place = lean_step = False
     for step in range(max_new_tokens):

@@ -247,15 +247,21 @@ def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: 
     return status == 0
 
 
-def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32, room: int = 0) -> torch.Tensor:
+def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32, room: int = 0,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """(kv_heads, tokens, head_dim) in `dtype`. In fp32 or bf16 on a CPU with snapkv's C kernels, one pass in C
     (snapkv/kernels/dequantize.c: the same values, a rotated tensor within rounding); else PyTorch's ops.
 
     room: free rows left after each head's tokens (the result is a view of a (kv_heads, tokens + room,
-    head_dim) buffer), where a question can be written without copying the rest (snapkv.presized.RoomLayer)."""
+    head_dim) buffer), where a question can be written without copying the rest (snapkv.deferred).
+    out: a flat buffer of `dtype` with at least kv_heads * (tokens + room) * head_dim elements to restore into
+    (its start is that buffer); None: a new one."""
     heads, tokens, head_dim = quantized.shape
     device = quantized.scale.device if isinstance(quantized, Quantized) else quantized.high.scale.device
-    buffer = torch.empty((heads, tokens + room, head_dim), dtype=dtype, device=device)
+    if out is None:
+        buffer = torch.empty((heads, tokens + room, head_dim), dtype=dtype, device=device)
+    else:
+        buffer = out[: heads * (tokens + room) * head_dim].view(heads, tokens + room, head_dim)
     out = buffer[:, :tokens]
     rows = buffer.view(heads * (tokens + room), head_dim)
     if isinstance(quantized, Mixed):

@@ -311,63 +311,71 @@ def test_presized_layer_grows_past_its_room():
 
 
 @pytest.mark.parametrize("per_question", [Cut(budget=24, window=8), None])
-def test_a_question_written_into_a_loaded_caches_room_answers_as_concatenation(tiny_model, per_question, tmp_path):
-    """A cache loaded with question_room (snapkv.cachefile) has free rows after each head's; the question's pass
-    writes its keys and values there instead of copying each layer (presized.RoomLayer). The answers are the same,
-    token for token, as from the same cache without room, the cache itself is unchanged, and a layer the pass did
-    not cut is copied out before decoding (presized.release_room), so the next question finds the room free."""
-    from snapkv import presized
+def test_a_deferred_cache_answers_as_one_restored_at_load(tiny_model, per_question, tmp_path):
+    """A cache loaded deferred (snapkv.cachefile's question_room) keeps its codes; each question's pass restores
+    the layers one at a time into one buffer and writes the question into the buffer's room
+    (deferred.RestoringLayer). The answers are the same, token for token, as from the same file restored at load,
+    for two questions in turn, and the cache holds its codes only, unchanged."""
+    from snapkv import deferred
     from snapkv.cachefile import load_cache, save_cache
 
     stored = prefill(tiny_model, random_ids(PROMPT_LENGTH, 30), None).at_precision(4)
     save_cache(tmp_path / "cache.snapkv", stored)
-    roomy, _ = load_cache(tmp_path / "cache.snapkv", question_room=16)
-    plain, _ = load_cache(tmp_path / "cache.snapkv")
-    assert roomy.question_room == 16 and all(presized.free_rows(k.unsqueeze(0)) == 16 for k in roomy.keys)
-    assert all(torch.equal(a, b) for a, b in zip(roomy.keys + roomy.values, plain.keys + plain.values))
-    before = [t.clone() for t in roomy.keys + roomy.values]
-    written = []
-    update = presized.RoomLayer.update
+    lazy, _ = load_cache(tmp_path / "cache.snapkv", question_room=16)
+    eager, _ = load_cache(tmp_path / "cache.snapkv")
+    assert lazy.deferred and not eager.deferred and lazy.question_room == 16 and eager.question_room == 0
+    assert lazy.kept_tokens == eager.kept_tokens and lazy.kv_bytes == eager.kv_bytes
+    assert lazy.layer_shapes() == eager.layer_shapes() and lazy.full_kv_bytes(2) == eager.full_kv_bytes(2)
+    lent = []
+    lend = deferred.RestoreBuffer.lend
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(presized.RoomLayer, "update", lambda self, *a, **k: written.append(self.room) or update(self, *a, **k))
-        for seed in (31, 32):  # two questions: the second writes the room again
+        patch.setattr(deferred.RestoreBuffer, "lend", lambda self, layer: lent.append(self) or lend(self, layer))
+        for seed in (31, 32):  # two questions: the second restores every layer again
             question = random_ids(6, seed)
             answers = [list(answer(tiny_model, cache, question, per_question=per_question, max_new_tokens=12))
-                       for cache in (roomy, plain)]
+                       for cache in (lazy, eager)]
             assert len(answers[0]) == 12 and answers[0] == answers[1]
-    assert written and all(room == 16 for room in written)  # every layer's question went into its room
-    assert all(torch.equal(a, b) for a, b in zip(before, roomy.keys + roomy.values))
+    plain = [type(layer) is DynamicLayer for layer in DynamicCache(config=tiny_model.config).layers]
+    full = sum(plain)  # sliding-window layers (gemma3) are restored on their own, once, and kept
+    assert full and len(lent) == 2 * full and len({id(buffer) for buffer in lent[:full]}) == 1  # one buffer per pass
+    assert all((restored is None) == is_plain for restored, is_plain in zip(lazy.keys._restored, plain))
+    assert all(torch.equal(a, b) for a, b in zip(lazy.keys + lazy.values, eager.keys + eager.values))  # read: restored
 
 
-def test_a_room_layer_writes_only_where_it_has_room():
-    """RoomLayer appends by concatenation when the question does not fit the room, when the strides show none
-    (a contiguous tensor), and after its first write; free_rows reads the room from the strides and the storage."""
-    from snapkv.presized import RoomLayer, free_rows, release_room
+def test_a_restoring_layer_writes_into_the_room_or_concatenates_and_copies_out_what_was_not_cut():
+    """RestoringLayer restores into the shared buffer and writes a question that fits the room there; a longer one,
+    or a second update, is concatenated; a layer still in the buffer is copied out when the next layer takes the
+    buffer and when released, so what it holds never changes."""
+    from snapkv.deferred import RestoringLayer, StoredLayers, release_buffers, restoring_layers
+    from snapkv.quantize import dequantize, quantize, stored_schemes
+    from snapkv.bits import Bits
 
-    buffer = torch.zeros(1, 2, 8, 4)
-    keys = buffer[:, :, :5]
-    assert free_rows(keys) == 3 and free_rows(buffer) == 0 and free_rows(buffer[:, :1, :5]) == 3
-    assert free_rows(buffer[:, 1:, :5]) == 3 and free_rows(buffer[:, 1:, :6]) == 2
-    assert free_rows(torch.zeros(1, 2, 5, 4)[..., :2]) == 0  # rows not contiguous: no room
-    new = torch.ones(1, 2, 4, 4)
-    for states, room in ((keys, 3), (keys, 8), (torch.zeros(1, 2, 5, 4), 3)):  # 4 rows: past the room
-        layer = RoomLayer(states, states, room)
-        layer.update(new, new)
-        assert not layer.wrote and layer.keys.shape[-2] == 9 and torch.equal(buffer, torch.zeros_like(buffer))
-    value_buffer = torch.zeros(1, 2, 8, 4)
-    layer = RoomLayer(keys, value_buffer[:, :, :5], 3)
-    layer.update(new[:, :, :2], 2 * new[:, :, :2])
-    assert layer.wrote and layer.keys.data_ptr() == buffer.data_ptr() and torch.equal(buffer[:, :, 5:7], new[:, :, :2])
-    assert torch.equal(layer.values, value_buffer[:, :, :7]) and torch.equal(value_buffer[:, :, 5:7], 2 * new[:, :, :2])
-    layer.update(new[:, :, :1], new[:, :, :1])  # a second update concatenates: never past the question's rows
-    assert layer.keys.shape[-2] == 8 and torch.equal(buffer[:, :, 7], torch.zeros(1, 2, 4))
-    assert torch.equal(RoomLayer(keys, keys.clone(), 3).update(new, new)[0], torch.cat([keys, new], 2))  # no room in values
+    schemes = stored_schemes(Bits.parse(4), 16)
+    originals = [torch.randn(2, 9, 16) for _ in range(4)]  # two layers' keys and values
+    parts = [quantize(x, scheme) for x, scheme in zip(originals, schemes * 2)]
+    keys, values = StoredLayers(parts[0::2], torch.float32), StoredLayers(parts[1::2], torch.float32)
+    first, second = restoring_layers(keys, values, room=3)
+    assert first.buffer is second.buffer and first.get_seq_length() == 9 and first.keys.shape == (1, 2, 9, 16)
+    new = torch.ones(1, 2, 2, 16)
+    held_keys, held_values = first.update(new, 2 * new)
+    assert first.buffer.holds(held_keys) and held_keys.shape == (1, 2, 11, 16)
+    assert torch.equal(held_keys[0, :, :9], dequantize(parts[0])) and torch.equal(held_values[0, :, 9:], 2 * new[0])
+    snapshot = held_keys.clone()
+    second.update(torch.ones(1, 2, 4, 16), torch.ones(1, 2, 4, 16))  # past the room: concatenated
+    assert not first.buffer.holds(first.keys) and torch.equal(first.keys, snapshot)  # copied out first
+    assert not second.buffer.holds(second.keys) and second.keys.shape == (1, 2, 13, 16)
+    assert torch.equal(second.keys[0, :, :9], dequantize(parts[2]))
+    grown, _ = first.update(new, new)  # a second update concatenates onto what it holds
+    assert grown.shape == (1, 2, 13, 16)
     cache = DynamicCache()
-    cache.layers = [RoomLayer(keys, keys, 3)]
-    cache.layers[0].update(new[:, :, :1], new[:, :, :1])
-    release_room(cache)  # not cut: the layer gets its own copy
-    assert type(cache.layers[0]) is DynamicLayer and cache.layers[0].keys.data_ptr() != buffer.data_ptr()
-    assert torch.equal(cache.layers[0].keys, buffer[:, :, :6])
+    cache.layers = [first, second]
+    release_buffers(cache)
+    assert all(type(layer) is DynamicLayer for layer in cache.layers) and torch.equal(cache.layers[0].keys, grown)
+    third = RestoringLayer(parts[0], parts[1], first.buffer, torch.float32)
+    third.update(new, new)
+    cache.layers = [third]
+    release_buffers(cache)  # not cut: released with its own copy
+    assert not first.buffer.holds(cache.layers[0].keys) and torch.equal(cache.layers[0].keys[0, :, 9:], new[0])
 
 
 @pytest.mark.slow
