@@ -563,10 +563,12 @@ def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_h
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
-def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vector_width):
-    """few_rows.c's register tile holds a row's 16 columns in one AVX-512 vector where the CPU has it, else in two
-    AVX2 vectors: the same sums in the same order, so the attention, its kept weights and the linear product are
-    bit for bit the same either way."""
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vector_width, head_dim):
+    """few_rows.c's register tile is 6 rows x 64 columns of AVX-512 vectors where the CPU has it (a head's channels
+    past the last whole 64 in 6 x 16), else 6 rows x 16 columns of AVX2 vectors: the same sums in the same order, so
+    the attention, its kept weights and the linear product are bit for bit the same either way (keys, channels and
+    outputs that leave a part-filled tile)."""
     if not vector_width(True):
         pytest.skip("this CPU lacks AVX-512")
     from snapkv import cpu_attention
@@ -576,7 +578,7 @@ def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vecto
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
     setattr(module, cpu_attention.CAPTURE, True)
-    rows, keys, head_dim = 19, 203, 64  # tiles of 6 rows and 16 keys, each with a remainder
+    rows, keys = 19, 203  # tiles of 6 rows and 64 (or 16) keys, each with a remainder
     query = torch.randn(1, 6, rows, head_dim)
     key, value = torch.randn(1, 2, keys, head_dim), torch.randn(1, 2, keys, head_dim)
     causal = torch.ones(rows, keys, dtype=torch.bool).tril(diagonal=keys - rows).expand(1, 1, rows, keys)

@@ -30,19 +30,30 @@
 
 #define ROW_BLOCK 6
 #define KEY_TILE 16
+#define WIDE_TILE 64  /* columns of the AVX-512 register tile: ROW_BLOCK rows x 4 vectors of 16 */
+#define VALUE_RUN 256  /* tokens of values (64 KB at head_dim 64) that every row block of a group takes in turn */
 #define MAX_HEAD_DIM 256
 
-/* tile (depth, KEY_TILE) = the `count` rows of `long_rows` (each `depth` floats) transposed, zero past count. */
-static void transposed_tile(const float *long_rows, int64_t count, int64_t depth, float *tile) {
+/* tile (depth, KEY_TILE), rows `tile_stride` floats apart = the `count` rows of `long_rows` (each `depth` floats)
+ * transposed, zero past count. */
+static void transposed_tile(const float *long_rows, int64_t count, int64_t depth, float *tile, int64_t tile_stride) {
     if (count == KEY_TILE) {
         for (int64_t c = 0; c < depth; c += 8) {
-            transpose_8x8(long_rows + c, depth, tile + c * KEY_TILE, KEY_TILE);
-            transpose_8x8(long_rows + 8 * depth + c, depth, tile + c * KEY_TILE + 8, KEY_TILE);
+            transpose_8x8(long_rows + c, depth, tile + c * tile_stride, tile_stride);
+            transpose_8x8(long_rows + 8 * depth + c, depth, tile + c * tile_stride + 8, tile_stride);
         }
         return;
     }
     for (int64_t c = 0; c < depth; c++)
-        for (int64_t j = 0; j < KEY_TILE; j++) tile[c * KEY_TILE + j] = j < count ? long_rows[j * depth + c] : 0.0f;
+        for (int64_t j = 0; j < KEY_TILE; j++) tile[c * tile_stride + j] = j < count ? long_rows[j * depth + c] : 0.0f;
+}
+
+/* tile (depth, WIDE_TILE) = up to WIDE_TILE rows of `long_rows` transposed, 16 at a time, zero past count. */
+static void transposed_wide_tile(const float *long_rows, int64_t count, int64_t depth, float *tile) {
+    for (int64_t part = 0; part < WIDE_TILE; part += KEY_TILE) {
+        const int64_t left = count - part, part_count = left < 0 ? 0 : left < KEY_TILE ? left : KEY_TILE;
+        transposed_tile(long_rows + (part_count ? part * depth : 0), part_count, depth, tile + part, WIDE_TILE);
+    }
 }
 
 /* sums[i] (16 lanes in two vectors) = sum over k < depth of a[i][k] * b[k * b_stride + 0..15], for ROW_BLOCK
@@ -92,6 +103,40 @@ WIDE static void tile_product_wide_stored(const float *const a[ROW_BLOCK], const
     for (int i = 0; i < ROW_BLOCK; i++) _mm512_storeu_ps(sums[i], wide_sums[i]);
 }
 
+/* out[i * out_stride + j] = sum over k < depth of a[i][k] * b[k * b_stride + j] for i < live rows and j < count
+ * <= WIDE_TILE columns: ROW_BLOCK rows x 64 columns in 24 AVX-512 accumulators, so that each step loads 4 vectors
+ * and 6 broadcasts for 24 FMAs (the 6 x 16 tile loads 7 for 6). Every sum runs over k in order, as tile_product's:
+ * the same bits. `accumulate`: the sums start from what out holds (the same chain carried on from an earlier run of
+ * k), else from 0. Columns past `count` are computed from what b holds there and not stored. */
+WIDE static void wide_tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
+                                   float *out, int64_t out_stride, int live, int64_t count, int accumulate) {
+    __m512 s[ROW_BLOCK][4];
+    for (int i = 0; i < ROW_BLOCK; i++)
+        for (int v = 0; v < 4; v++) {
+            const int64_t left = count - v * 16;
+            const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            s[i][v] = accumulate && i < live ? _mm512_maskz_loadu_ps(keep, out + i * out_stride + v * 16)
+                                             : _mm512_setzero_ps();
+        }
+    for (int64_t k = 0; k < depth; k++, b += b_stride) {
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32),
+                     b3 = _mm512_loadu_ps(b + 48);
+        for (int i = 0; i < ROW_BLOCK; i++) {
+            const __m512 x = _mm512_set1_ps(a[i][k]);
+            s[i][0] = _mm512_fmadd_ps(x, b0, s[i][0]);
+            s[i][1] = _mm512_fmadd_ps(x, b1, s[i][1]);
+            s[i][2] = _mm512_fmadd_ps(x, b2, s[i][2]);
+            s[i][3] = _mm512_fmadd_ps(x, b3, s[i][3]);
+        }
+    }
+    for (int i = 0; i < live; i++)
+        for (int v = 0; v < 4 && v * 16 < count; v++) {
+            const int64_t left = count - v * 16;
+            const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            _mm512_mask_storeu_ps(out + i * out_stride + v * 16, keep, s[i][v]);
+        }
+}
+
 /* sums (ROW_BLOCK rows x 16 columns) stored as 16 floats per row: with AVX-512 where `wide`. */
 static inline void tile_product_any(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
                                     float sums[ROW_BLOCK][KEY_TILE], int wide) {
@@ -107,6 +152,60 @@ static inline void tile_product_any(const float *const a[ROW_BLOCK], const float
     }
 }
 
+/* exp_8 (simd.h) in 16 lanes: the same operations, so the same bits in every lane. */
+WIDE static inline __m512 exp_16(__m512 x) {
+    const __m512 lowest = _mm512_set1_ps(-87.3f);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lowest);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i two_to_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(p, _mm512_castsi512_ps(two_to_n)));
+}
+
+/* softmax_row (simd.h) 16 lanes at a time: the same bits. The exponentials are summed into 8 lanes, the low half of
+ * each vector before the high, which is the order softmax_row adds them in. */
+WIDE static void softmax_row_wide(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
+    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
+    __m512 high = _mm512_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= tokens; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
+    float top = _mm512_reduce_max_ps(high);
+    for (; j < tokens; j++) top = row[j] > top ? row[j] : top;
+    const __m512 shift = _mm512_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    for (j = 0; j + 16 <= tokens; j += 16) {
+        const __m512 e = exp_16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+        _mm512_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, _mm512_extractf32x8_ps(e, 1));
+    }
+    for (; j + 8 <= tokens; j += 8) {
+        const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm512_castps512_ps256(shift)));
+        _mm256_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = lane_sum(total);
+    for (; j < tokens; j++) {
+        row[j] = expf(row[j] - top);
+        sum += row[j];
+    }
+    const float inverse = 1.0f / sum;
+    const __m512 vector_inverse = _mm512_set1_ps(inverse);
+    for (j = 0; j + 16 <= tokens; j += 16)
+        _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), vector_inverse));
+    for (; j < tokens; j++) row[j] *= inverse;
+}
+
 /* (rows, depth) zero-padded to whole blocks of ROW_BLOCK rows, times `scale`; NULL when memory runs out. */
 static float *padded_rows(const float *rows_in, int64_t rows, int64_t depth, float scale) {
     const int64_t padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
@@ -117,12 +216,18 @@ static float *padded_rows(const float *rows_in, int64_t rows, int64_t depth, flo
 }
 
 /* out[r * out_stride + j] = sum over c < depth of a[r][c] * tile[c][j], for r < rows, j < count: every short row
- * (`a`, padded by padded_rows) against one transposed tile. */
+ * (`a`, padded by padded_rows) against one transposed tile: (depth, WIDE_TILE) where `wide`, else
+ * (depth, KEY_TILE). */
 static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const float *tile, int64_t count,
                             float *out, int64_t out_stride, int wide) {
     for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
         const float *block[ROW_BLOCK];
         for (int i = 0; i < ROW_BLOCK; i++) block[i] = a + (first + i) * depth;
+        const int live = rows - first < ROW_BLOCK ? (int)(rows - first) : ROW_BLOCK;
+        if (wide) {
+            wide_tile_product(block, tile, WIDE_TILE, depth, out + first * out_stride, out_stride, live, count, 0);
+            continue;
+        }
         float sums[ROW_BLOCK][KEY_TILE];
         tile_product_any(block, tile, KEY_TILE, depth, sums, wide);
         for (int i = 0; i < ROW_BLOCK && first + i < rows; i++)
@@ -136,8 +241,10 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
                 int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out, int threads) {
     if (head_dim % 16 || head_dim > MAX_HEAD_DIM || kv_heads < 1 || rows < 1 || question < 1 || question > tokens || rows % question)
         return -1;
+    const int wide = wide_vectors(-1);
+    const int64_t tile_width = wide ? WIDE_TILE : KEY_TILE;
     const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t tiles = (tokens + KEY_TILE - 1) / KEY_TILE;
+    const int64_t tiles = (tokens + tile_width - 1) / tile_width;
     float *scaled[kv_heads];  /* per KV head, its rows scaled and padded */
     int missing = 0;
     for (int64_t h = 0; h < kv_heads; h++) missing |= !(scaled[h] = padded_rows(query + h * rows * head_dim, rows, head_dim, scale));
@@ -145,32 +252,63 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
         for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]);
         return -1;
     }
-    const int wide = wide_vectors(-1);
 #pragma omp parallel num_threads(threads)
     {
-        float tile[MAX_HEAD_DIM * KEY_TILE] __attribute__((aligned(32)));
+        float tile[MAX_HEAD_DIM * WIDE_TILE] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * tiles; task++) {  /* scores: one tile of keys, every row */
-            const int64_t h = task / tiles, first = (task % tiles) * KEY_TILE;
-            const int64_t count = tokens - first < KEY_TILE ? tokens - first : KEY_TILE;
-            transposed_tile(keys + h * key_head_stride + first * head_dim, count, head_dim, tile);
+            const int64_t h = task / tiles, first = (task % tiles) * tile_width;
+            const int64_t count = tokens - first < tile_width ? tokens - first : tile_width;
+            const float *tile_keys = keys + h * key_head_stride + first * head_dim;
+            if (wide)
+                transposed_wide_tile(tile_keys, count, head_dim, tile);
+            else
+                transposed_tile(tile_keys, count, head_dim, tile, KEY_TILE);
             rows_times_tile(scaled[h], rows, head_dim, tile, count, weights + h * rows * tokens + first, tokens, wide);
         }
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < kv_heads * rows; r++)
-            softmax_row(weights + r * tokens, tokens, tail_mask + ((r % rows) % question) * question, question);
-#pragma omp for schedule(dynamic)
-        for (int64_t task = 0; task < kv_heads * blocks; task++) {  /* values: a block of rows, every channel */
-            const int64_t h = task / blocks, block = task % blocks;
-            const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
-            const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
-            for (int i = 0; i < ROW_BLOCK; i++) a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens;
-            for (int64_t c = 0; c < head_dim; c += 16) {
-                float sums[ROW_BLOCK][KEY_TILE];
-                tile_product_any(a, values + h * value_head_stride + c, head_dim, tokens, sums, wide);
-                for (int i = 0; i < live; i++)
-                    memcpy(out + (h * rows + block * ROW_BLOCK + i) * head_dim + c, sums[i], sizeof(float) * KEY_TILE);
+        for (int64_t r = 0; r < kv_heads * rows; r++) {
+            const float *row_mask = tail_mask + ((r % rows) % question) * question;
+            if (wide)
+                softmax_row_wide(weights + r * tokens, tokens, row_mask, question);
+            else
+                softmax_row(weights + r * tokens, tokens, row_mask, question);
+        }
+        /* values: a group of row blocks of one head, every channel. With AVX-512, runs of VALUE_RUN tokens at a
+         * time for every block of the group, so that each run of values is read from memory once per group, not
+         * once per block; each sum carries on from the run before (the same chain: the same bits). */
+        const int64_t groups = threads < blocks ? threads : blocks;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * groups; task++) {
+            const int64_t h = task / groups, group = task % groups;
+            const int64_t first_block = blocks * group / groups, end_block = blocks * (group + 1) / groups;
+            const float *head_values = values + h * value_head_stride;
+            for (int64_t block = first_block; block < end_block; block++) {
+                const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
+                const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
+                for (int i = 0; i < ROW_BLOCK; i++)
+                    a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens;
+                for (int64_t c = wide ? head_dim / WIDE_TILE * WIDE_TILE : 0; c < head_dim; c += 16) {
+                    float sums[ROW_BLOCK][KEY_TILE];  /* channels past the whole runs of 64 (all of them in AVX2) */
+                    tile_product_any(a, head_values + c, head_dim, tokens, sums, wide);
+                    for (int i = 0; i < live; i++)
+                        memcpy(out + (h * rows + block * ROW_BLOCK + i) * head_dim + c, sums[i], sizeof(float) * KEY_TILE);
+                }
             }
+            if (wide && head_dim >= WIDE_TILE)
+                for (int64_t start = 0; start < tokens; start += VALUE_RUN) {
+                    const int64_t run = tokens - start < VALUE_RUN ? tokens - start : VALUE_RUN;
+                    for (int64_t block = first_block; block < end_block; block++) {
+                        const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
+                        const float *a[ROW_BLOCK];
+                        for (int i = 0; i < ROW_BLOCK; i++)
+                            a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens + start;
+                        for (int64_t c = 0; c + WIDE_TILE <= head_dim; c += WIDE_TILE)
+                            wide_tile_product(a, head_values + start * head_dim + c, head_dim, run,
+                                              out + (h * rows + block * ROW_BLOCK) * head_dim + c, head_dim, (int)live,
+                                              WIDE_TILE, start > 0);
+                    }
+                }
         }
     }
     for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]);
@@ -182,12 +320,13 @@ int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, in
     if (rows < 1 || k < 8 || k % 8) return -1;
     float *padded = padded_rows(x, rows, k, 1.0f);
     if (!padded) return -1;
-    const int64_t tiles = (n + KEY_TILE - 1) / KEY_TILE;
     const int wide = wide_vectors(-1);
+    const int64_t tile_width = wide ? WIDE_TILE : KEY_TILE;
+    const int64_t tiles = (n + tile_width - 1) / tile_width;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
-        float *tile = aligned_alloc(32, sizeof(float) * (size_t)(k * KEY_TILE));  /* (k, 16): too large for a stack */
+        float *tile = aligned_alloc(64, sizeof(float) * (size_t)(k * tile_width));  /* (k, width): too large for a stack */
         if (!tile) {
 #pragma omp atomic write
             failed = 1;
@@ -195,8 +334,11 @@ int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, in
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tiles; task++) {
             if (!tile) continue;
-            const int64_t first = task * KEY_TILE, count = n - first < KEY_TILE ? n - first : KEY_TILE;
-            transposed_tile(weight + first * k, count, k, tile);
+            const int64_t first = task * tile_width, count = n - first < tile_width ? n - first : tile_width;
+            if (wide)
+                transposed_wide_tile(weight + first * k, count, k, tile);
+            else
+                transposed_tile(weight + first * k, count, k, tile, KEY_TILE);
             rows_times_tile(padded, rows, k, tile, count, y + first, n, wide);
         }
         free(tile);
