@@ -118,9 +118,41 @@ static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm
     }
 }
 
-/* A row's values, decoded: the rotation undone, then written to its destination row of `out`. */
+/* hadamard_64 with AVX-512, written to `target`: the first four stages inside each vector of 16 (pairs, quads,
+ * halves of 8 as hadamard_8 does, then halves of 16), the last two across vectors. Each stage adds and subtracts
+ * the same two values as hadamard_64's, so the result has the same bits. */
+WIDE static inline void hadamard_64_wide(const float *block, float norm, float *target) {
+    const __m512 odd_negative = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+    const __m512 pairs_negative = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+    const __m512 quads_negative = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+    const __m512 eights_negative = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+    __m512 v[4];
+    for (int i = 0; i < 4; i++) {
+        __m512 x = _mm512_loadu_ps(block + 16 * i);
+        x = _mm512_add_ps(_mm512_permute_ps(x, 0xB1), _mm512_mul_ps(x, odd_negative));
+        x = _mm512_add_ps(_mm512_permute_ps(x, 0x4E), _mm512_mul_ps(x, pairs_negative));
+        x = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0xB1), _mm512_mul_ps(x, quads_negative));
+        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0x4E), _mm512_mul_ps(x, eights_negative));
+    }
+    /* halves of 16 values (vectors 0 and 1, 2 and 3), then of 32 (0 and 2, 1 and 3), written out by name so that
+     * they stay in registers */
+    const __m512 a0 = _mm512_add_ps(v[0], v[1]), a1 = _mm512_sub_ps(v[0], v[1]);
+    const __m512 a2 = _mm512_add_ps(v[2], v[3]), a3 = _mm512_sub_ps(v[2], v[3]);
+    const __m512 scale = _mm512_set1_ps(norm);
+    _mm512_storeu_ps(target, _mm512_mul_ps(_mm512_add_ps(a0, a2), scale));
+    _mm512_storeu_ps(target + 16, _mm512_mul_ps(_mm512_add_ps(a1, a3), scale));
+    _mm512_storeu_ps(target + 32, _mm512_mul_ps(_mm512_sub_ps(a0, a2), scale));
+    _mm512_storeu_ps(target + 48, _mm512_mul_ps(_mm512_sub_ps(a1, a3), scale));
+}
+
+/* A row's values, decoded: the rotation undone, then written to its destination row of `out`. `wide`: the CPU has
+ * AVX-512 (wide_vectors). */
 static inline void finish_row(float *values, int64_t head_dim, int64_t rotation_block, float norm,
-                              const int64_t *destination, int64_t row, void *out, int out_kind) {
+                              const int64_t *destination, int64_t row, void *out, int out_kind, int wide) {
+    if (wide && rotation_block == 64 && head_dim == 64 && out_kind == OUT_FP32) {  /* the embedded model's rows */
+        hadamard_64_wide(values, norm, (float *)out + (destination ? destination[row] : row) * head_dim);
+        return;
+    }
     if (rotation_block) hadamard_blocks(values, head_dim, rotation_block, norm);
     const int64_t target = (destination ? destination[row] : row) * head_dim;
     if (out_kind == OUT_BF16)
@@ -145,6 +177,7 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
     /* a task: a group of tokens that share their scales (keys), or a run of 32 rows (values) */
     const int64_t tokens_per_task = along_tokens ? group : 32;
     const int64_t token_groups = (tokens + tokens_per_task - 1) / tokens_per_task;
+    const int wide = wide_vectors(-1);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < heads * token_groups; task++) {
         const int64_t h = task / token_groups, first_token = (task % token_groups) * tokens_per_task;
@@ -169,7 +202,8 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                                                            _mm256_set1_ps(channel_minimum[c])));
                 for (int64_t c = 0; c < head_dim; c += 8) transpose_8x8(tile + c * 8, 8, &rows[0][c], MAX_HEAD_DIM);
                 for (int i = 0; i < 8; i++)
-                    finish_row(rows[i], head_dim, rotation_block, norm, destination, h * tokens + t + i, out, out_kind);
+                    finish_row(rows[i], head_dim, rotation_block, norm, destination, h * tokens + t + i, out, out_kind,
+                               wide);
             }
         for (; t < last_token; t++) {
             const int64_t row = h * tokens + t;
@@ -194,7 +228,7 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                     }
                 }
             }
-            finish_row(values, head_dim, rotation_block, norm, destination, row, out, out_kind);
+            finish_row(values, head_dim, rotation_block, norm, destination, row, out, out_kind, wide);
         }
     }
     return 0;
