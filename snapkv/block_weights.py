@@ -101,6 +101,19 @@ def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return y
 
 
+def few_rows_blocks_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torch.Tensor | None:
+    """x (rows, in) fp32 contiguous -> (rows, out) = x @ W^T with W given as exact blocks, by kernels/few_rows.c:
+    the same bits as few_rows_matmul over the fp32 weights, reading a fifth of the bytes (None where the kernel
+    refuses the shape)."""
+    rows, inputs = x.shape
+    y = torch.empty(rows, out_features)
+    minimum = blocks.minimum.data_ptr() if blocks.minimum is not None else None
+    status = native.kernels().linear_rows_blocks(x.data_ptr(), rows, inputs, blocks.bits, blocks.codes.data_ptr(),
+                                                 blocks.scale.data_ptr(), minimum, out_features, y.data_ptr(),
+                                                 torch.get_num_threads())
+    return y if status == 0 else None
+
+
 def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torch.Tensor:
     """x (rows, in) fp32 contiguous, rows <= native.MAX_ROWS -> (rows, out) = x @ W^T, W given as blocks."""
     library = native.kernels()
@@ -120,8 +133,9 @@ def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torc
 
 class BlockLinear(torch.nn.Module):
     """An nn.Linear that also holds its weight as exact Blocks: up to KERNEL_ROWS rows of fp32 on CPU are
-    multiplied from the blocks, up to FEW_ROWS (a question) with `weight` by snapkv/kernels/few_rows.c (1.5-2x
-    PyTorch's matmul at 18 rows here), everything else by F.linear over `weight` (the same Parameter as before,
+    multiplied from the blocks, up to FEW_ROWS (a question) by snapkv/kernels/few_rows.c (1.5-2x PyTorch's matmul
+    at 18 rows here) from the blocks too, decoded a tile at a time to the very fp32 values of `weight` (a fifth of
+    the bytes read), everything else by F.linear over `weight` (the same Parameter as before,
     so a weight tied to the input embeddings stays tied). Made only where the kernels were available."""
 
     def __init__(self, linear: torch.nn.Linear, blocks: Blocks) -> None:
@@ -136,8 +150,11 @@ class BlockLinear(torch.nn.Module):
         if rows > FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
-        y = (blockwise_matmul(flat, self.blocks, self.out_features) if rows <= KERNEL_ROWS
-             else few_rows_matmul(flat, self.weight))
+        if rows <= KERNEL_ROWS:
+            y = blockwise_matmul(flat, self.blocks, self.out_features)
+        else:  # from the blocks where the kernel takes them: the same bits as from `weight`, fewer bytes read
+            y = few_rows_blocks_matmul(flat, self.blocks, self.out_features)
+            y = y if y is not None else few_rows_matmul(flat, self.weight)
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

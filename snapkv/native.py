@@ -94,11 +94,13 @@ def _load() -> ctypes.CDLL:
     library.attend_rows.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, size, pointer, size, size, size,
                                     pointer, pointer, pointer, ctypes.c_int]
     library.linear_rows.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
+    library.linear_rows_blocks.argtypes = [pointer, size, size, ctypes.c_int, pointer, pointer, pointer, size, pointer,
+                                           ctypes.c_int]
     library.decode_token.argtypes = [pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int]  # snapkv.native_decode
     library.wide_vectors.argtypes = [ctypes.c_int]  # 1/0: one row with AVX-512 where the CPU has it, or not; -1: ask
     library.wide_vectors.restype = ctypes.c_int
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
-                     library.linear_rows, library.decode_token):
+                     library.linear_rows, library.linear_rows_blocks, library.decode_token):
         function.restype = ctypes.c_int
     return library
 
@@ -107,8 +109,8 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 
 def kernels() -> ctypes.CDLL:
-    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, decode_token), or
-    NativeUnavailable. Built and loaded once per process."""
+    """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
+    decode_token), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

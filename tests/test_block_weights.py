@@ -123,7 +123,7 @@ def test_block_linear_uses_the_block_kernel_for_one_row_few_rows_for_a_question_
     linear.weight.data = four_bit_weight(96, 64)
     layer = BlockLinear(linear, exact_blocks(linear.weight))
     calls = []
-    for name in ("blockwise_matmul", "few_rows_matmul"):
+    for name in ("blockwise_matmul", "few_rows_blocks_matmul"):
         real = getattr(block_weights, name)
         monkeypatch.setattr(block_weights, name, lambda *a, name=name, real=real: calls.append((name, a[0].shape))
                             or real(*a))
@@ -134,8 +134,8 @@ def test_block_linear_uses_the_block_kernel_for_one_row_few_rows_for_a_question_
             assert y.shape == (1, rows, 96) and torch.allclose(y, linear(x), atol=1e-5)
         prompt = torch.randn(1, block_weights.FEW_ROWS + 1, 64)
         assert torch.equal(layer(prompt), linear(prompt))
-    assert calls == [("blockwise_matmul", (1, 64)), ("few_rows_matmul", (10, 64)),
-                     ("few_rows_matmul", (block_weights.FEW_ROWS, 64))]
+    assert calls == [("blockwise_matmul", (1, 64)), ("few_rows_blocks_matmul", (10, 64)),
+                     ("few_rows_blocks_matmul", (block_weights.FEW_ROWS, 64))]
     assert layer.weight is linear.weight  # the same Parameter: ties and state_dict keys unchanged
 
 
@@ -152,6 +152,27 @@ def test_few_rows_kernel_matches_the_fp32_product(rows, inputs, outputs):
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
     odd, odd_weight = torch.randn(rows, 12), torch.randn(outputs, 12)
     assert torch.equal(block_weights.few_rows_matmul(odd, odd_weight), torch.nn.functional.linear(odd, odd_weight))
+
+
+@needs_kernels
+@pytest.mark.parametrize("make", [four_bit_weight, eight_bit_weight])
+@pytest.mark.parametrize("wide", [True, False])
+def test_few_rows_from_blocks_give_the_bits_of_few_rows_from_the_fp32_weights(make, wide, vector_width):
+    """linear_rows_blocks decodes each tile of outputs from the blocks to the very fp32 weights, then multiplies
+    as linear_rows does: bit for bit its result, with either vector width, for outputs that leave a part-filled
+    tile; a shape it does not take (inputs not a multiple of 32) is refused, not guessed."""
+    if wide and not vector_width(True):
+        pytest.skip("this CPU lacks AVX-512")
+    vector_width(wide)
+    for rows, inputs, outputs in ((25, 576, 203), (7, 1536, 77), (64, 32, 16)):
+        weight = make(outputs, inputs, seed=rows)
+        blocks = exact_blocks(weight)
+        x = torch.randn(rows, inputs)
+        got = block_weights.few_rows_blocks_matmul(x, blocks, outputs)
+        assert torch.equal(got, block_weights.few_rows_matmul(x, weight))
+        assert torch.allclose(got, x @ weight.T, atol=1e-4)
+    odd = block_weights.Blocks(blocks.bits, blocks.codes, blocks.scale, blocks.minimum)
+    assert block_weights.few_rows_blocks_matmul(torch.randn(3, 48), odd, outputs) is None
 
 
 @needs_kernels

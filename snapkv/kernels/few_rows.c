@@ -14,7 +14,8 @@
  *   weights: (kv_heads, rows, tokens) out: the softmax, kept (snapkv.compress scores SnapKV from it)
  *   out:     (kv_heads, rows, head_dim) out: weights @ values
  *   the softmax is simd.h's softmax_row (exp by Cephes' single-precision polynomial, within 2 ulp of expf).
- * linear_rows: y (rows, n) = x (rows, k) @ W^T for W (n, k) row-major (snapkv.block_weights: a question's rows).
+ * linear_rows: y (rows, n) = x (rows, k) @ W^T for W (n, k) row-major (snapkv.block_weights: a question's rows);
+ *   linear_rows_blocks the same with W as 4-bit or 8-bit blocks, decoded to its exact fp32 values a tile at a time.
  *
  * Work is spread over `threads` OpenMP threads (tiles of the long side; for attention then rows for the softmax
  * and row blocks for the values). Needs AVX2 and FMA; head_dim a multiple of 16, at most MAX_HEAD_DIM; k a
@@ -315,9 +316,45 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
     return 0;
 }
 
-/* Returns 0, or -1 for a shape it does not take or when memory runs out. */
-int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y, int threads) {
-    if (rows < 1 || k < 8 || k % 8) return -1;
+/* The fp32 weights of outputs first..first + count - 1, (count, k) into `rows_out`, from 4-bit or 8-bit blocks
+ * (snapkv/kernels/blockwise_matmul.c's layout: 4-bit w = scale * q + minimum, 8-bit w = scale * q), multiplied
+ * then added as snapkv.block_weights checked the blocks to give back every weight: the very fp32 values. */
+static void weights_from_blocks(int bits, const uint8_t *codes, const float *scale, const float *minimum, int64_t k,
+                                int64_t first, int64_t count, float *rows_out) {
+    const int64_t blocks = k / 32, code_bytes = bits == 4 ? k / 2 : k;
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t out = first + j;
+        float *row = rows_out + j * k;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
+            __m256i q[4];
+            if (bits == 4) {  /* element i in the low nibble of byte i, element i + 16 in its high nibble */
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + out * code_bytes + b * 16));
+                const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+                const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+                q[0] = _mm256_cvtepu8_epi32(low);
+                q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
+                q[2] = _mm256_cvtepu8_epi32(high);
+                q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
+            } else {
+                const int8_t *signed_codes = (const int8_t *)codes + out * code_bytes + b * 32;
+                for (int v = 0; v < 4; v++)
+                    q[v] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(signed_codes + 8 * v)));
+            }
+            for (int v = 0; v < 4; v++) {
+                __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), block_scale);
+                if (bits == 4) w = _mm256_add_ps(w, _mm256_set1_ps(minimum[out * blocks + b]));
+                _mm256_storeu_ps(row + b * 32 + 8 * v, w);
+            }
+        }
+    }
+}
+
+/* y (rows, n) = x (rows, k) @ W^T, W given as fp32 rows (`weight`, (n, k)) or, where `weight` is NULL, as blocks
+ * (`bits`, `codes`, `scale`, `minimum`; k a multiple of 32), decoded a tile of outputs at a time: the same tiles,
+ * the same sums, the same bits. Returns 0, or -1 when memory runs out. */
+static int product_tiles(const float *x, int64_t rows, int64_t k, const float *weight, int bits, const uint8_t *codes,
+                         const float *scale, const float *minimum, int64_t n, float *y, int threads) {
     float *padded = padded_rows(x, rows, k, 1.0f);
     if (!padded) return -1;
     const int wide = wide_vectors(-1);
@@ -327,22 +364,43 @@ int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, in
 #pragma omp parallel num_threads(threads)
     {
         float *tile = aligned_alloc(64, sizeof(float) * (size_t)(k * tile_width));  /* (k, width): too large for a stack */
-        if (!tile) {
+        float *decoded = weight ? NULL : aligned_alloc(64, sizeof(float) * (size_t)(k * tile_width));  /* (width, k) */
+        if (!tile || (!weight && !decoded)) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tiles; task++) {
-            if (!tile) continue;
+            if (!tile || (!weight && !decoded)) continue;
             const int64_t first = task * tile_width, count = n - first < tile_width ? n - first : tile_width;
+            const float *source = weight + first * k;
+            if (!weight) {
+                weights_from_blocks(bits, codes, scale, minimum, k, first, count, decoded);
+                source = decoded;
+            }
             if (wide)
-                transposed_wide_tile(weight + first * k, count, k, tile);
+                transposed_wide_tile(source, count, k, tile);
             else
-                transposed_tile(weight + first * k, count, k, tile, KEY_TILE);
+                transposed_tile(source, count, k, tile, KEY_TILE);
             rows_times_tile(padded, rows, k, tile, count, y + first, n, wide);
         }
         free(tile);
+        free(decoded);
     }
     free(padded);
     return failed ? -1 : 0;
+}
+
+/* Returns 0, or -1 for a shape it does not take or when memory runs out. */
+int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y, int threads) {
+    if (rows < 1 || k < 8 || k % 8) return -1;
+    return product_tiles(x, rows, k, weight, 0, NULL, NULL, NULL, n, y, threads);
+}
+
+/* linear_rows with the weights as 4-bit or 8-bit blocks (minimum NULL for 8-bit): the same bits, from a fifth of
+ * the bytes. Returns 0, or -1 for a shape it does not take or when memory runs out. */
+int linear_rows_blocks(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes, const float *scale,
+                       const float *minimum, int64_t n, float *y, int threads) {
+    if (rows < 1 || k < 32 || k % 32 || !(bits == 4 || bits == 8) || (bits == 4 && !minimum)) return -1;
+    return product_tiles(x, rows, k, NULL, bits, codes, scale, minimum, n, y, threads);
 }
