@@ -58,13 +58,13 @@ class CompressedCache:
 
     def layer_shapes(self) -> list[tuple[int, int, int]]:
         """Per layer (kv_heads, kept, head_dim) of its keys (and values), without restoring a deferred layer."""
-        if isinstance(self.keys, StoredLayers):
+        if self.deferred:
             return [self.keys.shape(index) for index in range(len(self.keys))]
         return [tuple(k.shape) for k in self.keys]
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.keys.dtype if isinstance(self.keys, StoredLayers) else self.keys[0].dtype
+        return self.keys.dtype if self.deferred else self.keys[0].dtype
 
     @property
     def kept_tokens(self) -> int:
