@@ -45,16 +45,19 @@ def cache_argument(kwargs: dict):
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def _scores_from_attention(method, captured: torch.Tensor | None, keys: torch.Tensor,
+def _scores_from_attention(method, captured: cpu_attention.Captured | None, keys: torch.Tensor,
                            window: int) -> torch.Tensor | None:
-    """The method's scores from the attention weights the layer just computed (snapkv.cpu_attention keeps
-    them in fp32 for a few query rows), or None where there are none for these keys or the method cannot
-    use them. captured: (batch, kv_heads, group, rows, n), softmax over all n keys, causal among the rows."""
+    """The method's scores from the attention weights the layer just computed (snapkv.cpu_attention keeps them in
+    fp32 for a few query rows, and their sums over the window where its C kernel ran), or None where there are none
+    for these keys or the method cannot use them."""
     n = keys.shape[2]
-    if (captured is None or not hasattr(method, "score_weights") or captured.shape[-1] != n
-            or captured.shape[-2] < window):
+    if captured is None or captured.weights.shape[-1] != n:
         return None
-    return method.score_weights(captured[..., -window:, : n - window])
+    if captured.window_sums is not None and captured.window == window and hasattr(method, "score_window_sums"):
+        return method.score_window_sums(captured.window_sums[..., : n - window])
+    if not hasattr(method, "score_weights") or captured.weights.shape[-2] < window:
+        return None
+    return method.score_weights(captured.weights[..., -window:, : n - window])
 
 
 def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
@@ -92,7 +95,7 @@ def compressing(model, plan: CompressionPlan) -> Iterator[CompressionPlan]:
                 hook = partial(_compress_layer_hook, plan)
                 handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
                 capturing.append(layer.module)
-                setattr(layer.module, cpu_attention.CAPTURE, True)
+                setattr(layer.module, cpu_attention.CAPTURE, plan.window)
         yield plan
     finally:
         for handle in handles:

@@ -16,6 +16,8 @@ devices, a causal query block without a mask, soft-capping, attention sinks, dro
 Registered with transformers under NAME (with sdpa's mask), and picked by snapkv.models on CPU.
 """
 
+from dataclasses import dataclass
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -28,9 +30,24 @@ SIXTEEN_BITS = (torch.bfloat16, torch.float16)
 SHORT_QUERY = 64  # at most this many query rows take the matmuls: a question; a prompt's block goes to sdpa
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 NATIVE_HEAD_DIMS = range(16, 257, 16)  # what snapkv/kernels/few_rows.c takes
-# A module with CAPTURE set (snapkv.compress, while it cuts a cache) gets its fp32 attention weights kept
-# as CAPTURED, (batch, kv_heads, group, q, n), so that scoring the window need not compute them again.
+# A module with CAPTURE set to a window of w rows (snapkv.compress, while it cuts a cache) gets its fp32 attention
+# weights kept as CAPTURED (a Captured), so that scoring the window need not compute them again.
 CAPTURE, CAPTURED = "snapkv_capture_weights", "snapkv_captured_weights"
+
+
+@dataclass
+class Captured:
+    """A question's attention weights, kept for the cut that follows.
+
+    weights:     (batch, kv_heads, group, q, n) fp32, softmax over all n keys, causal among the q rows
+    window:      the observation window: the question's last `window` rows (at most q)
+    window_sums: (batch, kv_heads, group, n) the weights summed over the window's rows (snapkv/kernels/few_rows.c
+                 adds each row in as it leaves the softmax), or None where they were not computed
+    """
+
+    weights: torch.Tensor
+    window: int
+    window_sums: torch.Tensor | None = None
 
 
 def _plain_decode(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
@@ -71,9 +88,10 @@ def _apply_mask(scores: torch.Tensor, attention_mask: torch.Tensor) -> None:
 
 
 def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+                     scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """A question's fp32 rows through snapkv/kernels/few_rows.c: (output (kv_heads, group * q, head_dim),
-    weights (kv_heads, group * q, n)), or None where it does not apply (a batch, a layout or head size it does not
+    weights (kv_heads, group * q, n), the weights summed over each query head's last `window` rows (kv_heads,
+    group, n) or None for window 0), or None where it does not apply (a batch, a layout or head size it does not
     take, earlier columns masked, the kernels unavailable). query (1, heads, q, head_dim); key, value (1, kv_heads,
     n, head_dim), each head's rows contiguous; attention_mask (1, 1, q, n)."""
     _, heads, rows, head_dim = query.shape
@@ -88,11 +106,13 @@ def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     query = query.contiguous()
     weights = torch.empty(kv_heads, heads // kv_heads * rows, n)
     output = torch.empty(kv_heads, heads // kv_heads * rows, head_dim)
+    window = min(window, rows)
+    sums = torch.empty(kv_heads, heads // kv_heads, n) if window else None
     status = native.kernels().attend_rows(
         query.data_ptr(), kv_heads, heads // kv_heads * rows, rows, scale, key.data_ptr(), key.stride(1),
         value.data_ptr(), value.stride(1), n, head_dim, tail.data_ptr(), weights.data_ptr(), output.data_ptr(),
-        torch.get_num_threads())
-    return (output, weights) if status == 0 else None
+        window, None if sums is None else sums.data_ptr(), torch.get_num_threads())
+    return (output, weights, sums) if status == 0 else None
 
 
 def decodes_by_matmuls(model, keys: torch.Tensor) -> bool:
@@ -114,13 +134,16 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     kv_heads = key.shape[1]
     group = heads // kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
-    natively = _attend_natively(query, key, value, attention_mask, scale) if query.dtype == torch.float32 else None
+    window = min(getattr(module, CAPTURE, 0), rows)  # for snapkv.compress's scoring, where it cuts this layer
+    natively = (_attend_natively(query, key, value, attention_mask, scale, window) if query.dtype == torch.float32
+                else None)
     if natively is not None:
-        output, weights = natively
+        output, weights, sums = natively
     else:
-        output, weights = _attend_by_matmuls(query, key, value, attention_mask, scale)
-    if getattr(module, CAPTURE, False) and query.dtype == torch.float32:  # for snapkv.compress's scoring
-        setattr(module, CAPTURED, weights.view(batch, kv_heads, group, rows, -1))
+        (output, weights), sums = _attend_by_matmuls(query, key, value, attention_mask, scale), None
+    if window and query.dtype == torch.float32:
+        setattr(module, CAPTURED, Captured(weights.view(batch, kv_heads, group, rows, -1), window,
+                                           None if sums is None else sums.view(batch, kv_heads, group, -1)))
     return output.view(batch, heads, rows, head_dim).transpose(1, 2).contiguous(), None
 
 

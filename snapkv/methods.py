@@ -79,10 +79,14 @@ class SnapKV:
     def score_weights(self, weights: torch.Tensor) -> torch.Tensor:
         """The same scores from the window's attention weights as attention computed them: weights (batch,
         kv_heads, group, w, n - w), softmax over all n keys -> (batch, kv_heads, n - w)."""
-        from .scoring import mean_over_query_groups, pool_scores, summed_over_window
+        from .scoring import pooled_window_scores
 
-        scores = pool_scores(summed_over_window(weights), self.kernel, self.pooling)  # (batch, q_heads, n - w)
-        return mean_over_query_groups(scores, weights.shape[1])  # (batch, kv_heads, n - w)
+        return pooled_window_scores(weights, self.kernel, self.pooling)
+
+    def score_window_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        """The same scores from the window's weights already summed over its queries (snapkv.cpu_attention's C
+        kernel sums them as it goes): sums (batch, kv_heads, group, n - w) -> (batch, kv_heads, n - w)."""
+        return self.score_weights(sums.unsqueeze(-2))
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         raise ConfigError("snapkv scores during the prefill, with the prompt's tail as its window")

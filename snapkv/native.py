@@ -1,6 +1,6 @@
 """snapkv's C kernels (snapkv/kernels/*.c: products with 4/8-bit weight blocks, dequantizing a saved cache, a
 question's attention over a long cache and its products with fp32 weights, a decoded token through every layer
-of a model on blocks):
+of a model on blocks, SnapKV's cut of a layer after a question):
 compiled once per machine with the system's C compiler into one shared library, loaded with ctypes.
 
 The library is cached under <snapkv home>/native/, named by a digest of the sources, the compiler and its
@@ -22,7 +22,7 @@ from importlib import resources
 
 from .paths import snapkv_home
 
-SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c", "decode_step.c")
+SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c", "decode_step.c", "window_cut.c")
 HEADERS = ("simd.h",)  # included by the sources: written beside them, part of the library's digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
@@ -92,15 +92,20 @@ def _load() -> ctypes.CDLL:
     library.dequantize_rows.argtypes = [pointer, pointer, pointer, size, size, size, ctypes.c_int, ctypes.c_int, size,
                                         size, pointer, pointer, ctypes.c_int, ctypes.c_int]
     library.attend_rows.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, size, pointer, size, size, size,
-                                    pointer, pointer, pointer, ctypes.c_int]
+                                    pointer, pointer, pointer, size, pointer, ctypes.c_int]
     library.linear_rows.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
     library.linear_rows_blocks.argtypes = [pointer, size, size, ctypes.c_int, pointer, pointer, pointer, size, pointer,
                                            ctypes.c_int]
     library.decode_token.argtypes = [pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int]  # snapkv.native_decode
+    library.window_scores.argtypes = [pointer, size, size, size, size, size, size, size, ctypes.c_int, ctypes.c_int,
+                                      pointer]  # snapkv.scoring: a cut's scores, positions and rows
+    library.top_positions.argtypes = [pointer, size, size, size, size, pointer]
+    library.gather_rows.argtypes = [pointer, size, size, size, size, pointer, size, pointer]
     library.wide_vectors.argtypes = [ctypes.c_int]  # 1/0: one row with AVX-512 where the CPU has it, or not; -1: ask
     library.wide_vectors.restype = ctypes.c_int
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
-                     library.linear_rows, library.linear_rows_blocks, library.decode_token):
+                     library.linear_rows, library.linear_rows_blocks, library.decode_token, library.window_scores,
+                     library.top_positions, library.gather_rows):
         function.restype = ctypes.c_int
     return library
 
@@ -110,7 +115,7 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 def kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
-    decode_token), or NativeUnavailable. Built and loaded once per process."""
+    decode_token, window_scores, top_positions, gather_rows), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from math import gcd
 
+import numpy as np
 import torch
 
 from . import native
@@ -159,6 +160,8 @@ class Mixed:
 def _rows_of(chosen: torch.Tensor) -> torch.Tensor:
     """(kv_heads, tokens) bool -> (count,) int64: the chosen rows of a (kv_heads * tokens, head_dim) view, a
     head's tokens in order, head after head (the order a Mixed part holds them in)."""
+    if chosen.device.type == "cpu":  # numpy's flatnonzero: 4x faster than torch's nonzero (28 against 117 us at 3 x 8k)
+        return torch.from_numpy(np.flatnonzero(chosen.numpy()))
     return chosen.reshape(-1).nonzero().squeeze(1)
 
 

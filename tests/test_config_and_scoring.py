@@ -134,3 +134,62 @@ def test_a_prefill_in_chunks_is_a_snapkv_tier_that_says_so_and_survives_a_file()
     chunked = estimate_prefill(config, 131072, torch.bfloat16, Cut(1024, 32, chunk=4096))
     at_16k = estimate_prefill(config, 16384, torch.bfloat16, Cut(1024, 32, chunk=4096))
     assert chunked.total_bytes < exact.total_bytes / 10 and chunked.total_bytes == at_16k.total_bytes
+
+
+def _torch_and_native(monkeypatch, compute):
+    """compute() with snapkv's C kernels turned off, then on (skipped where they are unavailable)."""
+    from snapkv import native
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
+    with monkeypatch.context() as patch:
+        patch.setenv(native.DISABLE, "0")
+        by_torch = compute()
+    return by_torch, compute()
+
+
+@pytest.mark.parametrize("pooling", ["max", "avg"])
+@pytest.mark.parametrize("kernel", [1, 3, 15])
+def test_the_c_cut_scores_as_pytorch_does(monkeypatch, pooling, kernel):
+    """snapkv/kernels/window_cut.c's scores from a strided view of the window's weights (the last rows of each query
+    head, the columns before the window), as SnapKV.score_weights computes them in PyTorch, within fp32 rounding."""
+    torch.manual_seed(3)
+    weights = torch.randn(1, 3, 2, 9, 300).softmax(dim=-1)  # (batch, kv_heads, group, question rows, n)
+    window = weights[..., -6:, : 300 - 6]
+    by_torch, natively = _torch_and_native(monkeypatch, lambda: SnapKV(kernel=kernel, pooling=pooling).score_weights(window))
+    assert natively.shape == by_torch.shape == (1, 3, 294)
+    assert torch.allclose(natively, by_torch, rtol=1e-6, atol=1e-9)
+
+
+def test_the_c_cut_keeps_the_best_positions_and_the_earliest_among_ties(monkeypatch):
+    torch.manual_seed(4)
+    distinct = torch.randperm(2 * 500).float().view(1, 2, 500)  # no two scores alike: one right answer
+    by_torch, natively = _torch_and_native(monkeypatch, lambda: kept_indices(distinct, 64, 7))
+    assert torch.equal(natively, by_torch)
+    assert natively.shape == (1, 2, 71) and natively[0, :, -7:].tolist() == [list(range(500, 507))] * 2
+    tied = torch.zeros(1, 1, 10)
+    tied[0, 0, 6] = 1.0
+    _, natively = _torch_and_native(monkeypatch, lambda: kept_indices(tied, 3, 2))
+    assert natively.tolist() == [[[0, 1, 6, 10, 11]]]  # 6, then the two earliest of the zeros
+    assert kept_indices(tied, 20, 2).tolist() == [[list(range(12))]]  # more asked than there are: all of them
+    with_nan = distinct.clone()
+    with_nan[0, 1, 3] = float("nan")  # refused by the kernel: PyTorch's topk decides, as before
+    by_torch, natively = _torch_and_native(monkeypatch, lambda: kept_indices(with_nan, 64, 7))
+    assert torch.equal(natively, by_torch)
+
+
+def test_the_c_cut_gathers_rows_from_a_view_with_room(monkeypatch):
+    """Rows of a (1, heads, tokens, head_dim) view of a buffer with free rows after each head's tokens (as
+    snapkv.deferred lends it), the same as PyTorch's indexing; an index past the tokens is refused by the kernel and
+    PyTorch raises, as before."""
+    torch.manual_seed(5)
+    buffer = torch.randn(1, 3, 120, 16)
+    states = buffer[:, :, :100]
+    indices = torch.sort(torch.stack([torch.randperm(100)[:30] for _ in range(3)]), dim=-1).values.unsqueeze(0)
+    by_torch, natively = _torch_and_native(monkeypatch, lambda: gather_positions(states, indices))
+    assert torch.equal(natively, by_torch) and natively.is_contiguous()
+    for dtype in (torch.bfloat16, torch.float16):  # whole rows whatever their type
+        expected = states.to(dtype)[0, torch.arange(3).view(3, 1), indices[0]].unsqueeze(0)
+        assert torch.equal(gather_positions(states.to(dtype), indices), expected)
+    with pytest.raises(IndexError):
+        gather_positions(states, torch.full((1, 3, 2), 100))

@@ -528,13 +528,15 @@ def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_h
     """fp32 question rows go to snapkv/kernels/few_rows.c where every row attends to all the earlier keys: the
     output and the kept weights agree with PyTorch's matmuls to fp32 rounding, for any number of rows and keys (tiles
     of 6 rows and 16 keys with remainders), head sizes and groups, boolean or additive masks, strided caches (a
-    RoomLayer's view); earlier keys masked, or the kernels turned off, take the matmuls."""
+    RoomLayer's view); earlier keys masked, or the kernels turned off, take the matmuls. The kernel also sums each
+    query head's weights over the window's rows (the last ones), as PyTorch sums them."""
     from snapkv import cpu_attention
 
     torch.manual_seed(rows)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = group, True
-    setattr(module, cpu_attention.CAPTURE, True)
+    window = max(1, rows - 3)
+    setattr(module, cpu_attention.CAPTURE, window)
     query = torch.randn(1, kv_heads * group, rows, head_dim)
     buffer = torch.randn(2, 1, kv_heads, keys + 5, head_dim)  # 5 free rows after each head's keys
     key, value = buffer[0, :, :, :keys], buffer[1, :, :, :keys]
@@ -558,8 +560,14 @@ def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_h
             expected, weights = by_matmuls(query, key, value, mask, head_dim**-0.5)
             expected = expected.view(1, kv_heads * group, rows, head_dim).transpose(1, 2)
             assert torch.allclose(found, expected, atol=2e-6, rtol=1e-5)
-            assert torch.allclose(captured, weights.view(captured.shape), atol=1e-7, rtol=1e-5)
-            assert torch.allclose(captured.sum(-1), torch.ones(()), atol=1e-5)
+            kept = captured.weights
+            assert captured.window == window
+            assert torch.allclose(kept, weights.view(kept.shape), atol=1e-7, rtol=1e-5)
+            assert torch.allclose(kept.sum(-1), torch.ones(()), atol=1e-5)
+            if natively and not turned_off:
+                assert torch.allclose(captured.window_sums, kept[..., -window:, :].sum(-2), atol=1e-7, rtol=1e-5)
+            else:
+                assert captured.window_sums is None
 
 
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
@@ -577,7 +585,7 @@ def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vecto
     torch.manual_seed(0)
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 3, True
-    setattr(module, cpu_attention.CAPTURE, True)
+    setattr(module, cpu_attention.CAPTURE, 11)
     rows, keys = 19, 203  # tiles of 6 rows and 64 (or 16) keys, each with a remainder
     query = torch.randn(1, 6, rows, head_dim)
     key, value = torch.randn(1, 2, keys, head_dim), torch.randn(1, 2, keys, head_dim)
@@ -587,10 +595,11 @@ def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vecto
     for wide in (True, False):
         assert vector_width(wide) == wide
         output, _ = cpu_attention.attention_forward(module, query, key, value, causal, scaling=head_dim**-0.5)
-        found[wide] = (output, module.__dict__.pop(cpu_attention.CAPTURED), few_rows_matmul(x, weight))
+        captured = module.__dict__.pop(cpu_attention.CAPTURED)
+        found[wide] = (output, captured.weights, captured.window_sums, few_rows_matmul(x, weight))
     for wide_part, narrow_part in zip(found[True], found[False]):
         assert torch.equal(wide_part, narrow_part)
-    assert torch.allclose(found[True][2], x @ weight.T, atol=1e-4)
+    assert torch.allclose(found[True][3], x @ weight.T, atol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen3", "gemma3"])

@@ -265,3 +265,33 @@ def test_truncation_fits_the_context(tiny_loaded, where):
         assert ",".join(map(str, body[:kept])) in joined
     else:
         assert ",".join(map(str, body[: kept // 2])) in joined and ",".join(map(str, body[-(kept - kept // 2):])) in joined
+
+
+def test_the_digest_in_lanes_covers_every_byte_and_files_with_either_digest_load(tiny_loaded, tmp_path):
+    """What is written: payload_sha256 (for earlier snapkv versions) and payload_sha256_lanes (checked instead where
+    present: the same bytes hashed in runs at once). A file with only the first still loads; a byte flipped in any
+    run is found by either."""
+    from safetensors.torch import load_file, save_file
+
+    from snapkv.cachefile import DIGEST_LANES, payload_digest
+
+    _, prepared = saved(tiny_loaded, tmp_path)
+    metadata = read_metadata(prepared.path)
+    tensors = load_file(str(prepared.path))
+    assert metadata["payload_sha256"] == payload_digest(tensors)
+    assert metadata["payload_sha256_lanes"] == {"lanes": DIGEST_LANES, "sha256": payload_digest(tensors, DIGEST_LANES)}
+    assert payload_digest(tensors, 3) not in (payload_digest(tensors), payload_digest(tensors, 2))
+    names = sorted(tensors)
+    for name in (names[0], names[len(names) // 2], names[-1]):  # the first run, the middle, the last
+        changed = dict(tensors)
+        changed[name] = tensors[name].clone()
+        changed[name].view(-1).view(torch.uint8)[0] ^= 1
+        assert all(payload_digest(changed, lanes) != payload_digest(tensors, lanes) for lanes in (1, 2, 3))
+    older = tmp_path / "older.snapkv"  # as an earlier snapkv wrote it
+    del metadata["payload_sha256_lanes"]
+    save_file(tensors, str(older), metadata={"snapkv": json.dumps(metadata)})
+    load_cache(older)
+    metadata["payload_sha256_lanes"] = {"lanes": 2, "sha256": "0" * 64}  # present and wrong: refused
+    save_file(tensors, str(older), metadata={"snapkv": json.dumps(metadata)})
+    with pytest.raises(CacheFileError, match="digest"):
+        load_cache(older)

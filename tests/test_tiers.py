@@ -390,10 +390,17 @@ def test_format_1_files_are_still_read(tiny_loaded, tmp_path):
     assert read_metadata(tmp_path / "new.snapkv")["version"] == "2.0"
 
 
+def signed(metadata: dict, tensors: dict) -> dict:
+    """metadata with both digests of these tensors, as save_cache writes them: a damaged file that passes the digest
+    check, so that what is refused is the damage itself."""
+    from snapkv.cachefile import DIGEST_LANES, payload_digest
+
+    return {**metadata, "payload_sha256": payload_digest(tensors),
+            "payload_sha256_lanes": {"lanes": DIGEST_LANES, "sha256": payload_digest(tensors, DIGEST_LANES)}}
+
+
 def test_damaged_quantized_parts_are_refused(tiny_loaded, tmp_path):
     from safetensors.torch import load_file, save_file
-
-    from snapkv.cachefile import payload_digest
 
     settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_bits=4)
     path = Session(tiny_loaded, settings, store=CacheStore(tmp_path)).prepare(DOCUMENT).path
@@ -408,16 +415,13 @@ def test_damaged_quantized_parts_are_refused(tiny_loaded, tmp_path):
         tensors = load_file(str(path))
         damage(tensors)
         bad = tmp_path / "bad.snapkv"
-        save_file(tensors, str(bad), metadata={"snapkv": json.dumps({**metadata,
-                                                                     "payload_sha256": payload_digest(tensors)})})
+        save_file(tensors, str(bad), metadata={"snapkv": json.dumps(signed(metadata, tensors))})
         with pytest.raises(CacheFileError, match=messages[case]):
             load_cache(bad)
 
 
 def test_damaged_sharper_parts_are_refused(tiny_loaded, tmp_path):
     from safetensors.torch import load_file, save_file
-
-    from snapkv.cachefile import payload_digest
 
     settings = SnapKVConfig(budget=48, window=8, store_bits="4/2+20%@4")
     path = Session(tiny_loaded, settings, store=CacheStore(tmp_path)).prepare(DOCUMENT).path
@@ -433,7 +437,6 @@ def test_damaged_sharper_parts_are_refused(tiny_loaded, tmp_path):
         tensors = load_file(str(path))
         damage(tensors)
         bad = tmp_path / "bad.snapkv"
-        save_file(tensors, str(bad), metadata={"snapkv": json.dumps({**metadata,
-                                                                     "payload_sha256": payload_digest(tensors)})})
+        save_file(tensors, str(bad), metadata={"snapkv": json.dumps(signed(metadata, tensors))})
         with pytest.raises(CacheFileError, match=message):
             load_cache(bad)

@@ -13,6 +13,8 @@
  *            row attends to all the earlier columns
  *   weights: (kv_heads, rows, tokens) out: the softmax, kept (snapkv.compress scores SnapKV from it)
  *   out:     (kv_heads, rows, head_dim) out: weights @ values
+ *   window_sums: NULL, or (kv_heads, rows / question, tokens) out: per query head, its weights summed over the
+ *            question's last `window` tokens (SnapKV's scores before pooling, snapkv.scoring.pooled_window_scores)
  *   the softmax is simd.h's softmax_row (exp by Cephes' single-precision polynomial, within 2 ulp of expf).
  * linear_rows: y (rows, n) = x (rows, k) @ W^T for W (n, k) row-major (snapkv.block_weights: a question's rows);
  *   linear_rows_blocks the same with W as 4-bit or 8-bit blocks, decoded to its exact fp32 values a tile at a time.
@@ -239,9 +241,11 @@ static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const f
 /* Returns 0, or -1 for a shape it does not take or when memory runs out. */
 int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
                 const float *keys, int64_t key_head_stride, const float *values, int64_t value_head_stride,
-                int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out, int threads) {
+                int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out,
+                int64_t window, float *window_sums, int threads) {
     if (head_dim % 16 || head_dim > MAX_HEAD_DIM || kv_heads < 1 || rows < 1 || question < 1 || question > tokens || rows % question)
         return -1;
+    if (window_sums && (window < 1 || window > question)) return -1;
     const int wide = wide_vectors(-1);
     const int64_t tile_width = wide ? WIDE_TILE : KEY_TILE;
     const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
@@ -267,14 +271,22 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
                 transposed_tile(tile_keys, count, head_dim, tile, KEY_TILE);
             rows_times_tile(scaled[h], rows, head_dim, tile, count, weights + h * rows * tokens + first, tokens, wide);
         }
+        /* the softmax: a query head's rows in order, each added to its head's window sums (if asked) while it is
+         * still in the nearest cache (one pass less over the weights than summing them afterwards) */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < kv_heads * rows; r++) {
-            const float *row_mask = tail_mask + ((r % rows) % question) * question;
-            if (wide)
-                softmax_row_wide(weights + r * tokens, tokens, row_mask, question);
-            else
-                softmax_row(weights + r * tokens, tokens, row_mask, question);
-        }
+        for (int64_t head = 0; head < kv_heads * (rows / question); head++)
+            for (int64_t i = 0; i < question; i++) {
+                float *row = weights + (head * question + i) * tokens;
+                if (wide)
+                    softmax_row_wide(row, tokens, tail_mask + i * question, question);
+                else
+                    softmax_row(row, tokens, tail_mask + i * question, question);
+                if (window_sums && i >= question - window) {
+                    float *sums = window_sums + head * tokens;
+                    if (i == question - window) memcpy(sums, row, sizeof(float) * (size_t)tokens);
+                    else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j];
+                }
+            }
         /* values: a group of row blocks of one head, every channel. With AVX-512, runs of VALUE_RUN tokens at a
          * time for every block of the group, so that each run of values is read from memory once per group, not
          * once per block; each sum carries on from the run before (the same chain: the same bits). */
