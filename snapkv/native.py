@@ -100,12 +100,15 @@ def _load() -> ctypes.CDLL:
     library.window_scores.argtypes = [pointer, size, size, size, size, size, size, size, ctypes.c_int, ctypes.c_int,
                                       pointer]  # snapkv.scoring: a cut's scores, positions and rows
     library.top_positions.argtypes = [pointer, size, size, size, size, pointer]
-    library.gather_rows.argtypes = [pointer, size, size, size, size, pointer, size, pointer]
+    library.gather_rows.argtypes = [pointer, size, size, size, size, pointer, size, pointer, ctypes.c_int]
+    library.mask_positions.argtypes = [pointer, size, size, size, pointer]  # snapkv.cachefile, snapkv.quantize
+    library.mask_positions.restype = size
+    library.part_rows.argtypes = [pointer, size, size, size, pointer, size, pointer, size]
     library.wide_vectors.argtypes = [ctypes.c_int]  # 1/0: one row with AVX-512 where the CPU has it, or not; -1: ask
     library.wide_vectors.restype = ctypes.c_int
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
                      library.linear_rows, library.linear_rows_blocks, library.decode_token, library.window_scores,
-                     library.top_positions, library.gather_rows):
+                     library.top_positions, library.gather_rows, library.part_rows):
         function.restype = ctypes.c_int
     return library
 
@@ -115,7 +118,7 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 def kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
-    decode_token, window_scores, top_positions, gather_rows), or NativeUnavailable. Built and loaded once per process."""
+    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

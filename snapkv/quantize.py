@@ -138,11 +138,19 @@ class Mixed:
     def destination_rows(self, room: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(high, low) (count,) int64: the rows of a (kv_heads * (tokens + room), head_dim) buffer that each part's
         rows go to, a head's tokens in order; kept, as each question's pass restores into the same layout (at 8k
-        tokens of the embedded model, 0.2 MB per layer's keys or values, against 20 ms per question to find again)."""
+        tokens of the embedded model, 0.2 MB per layer's keys or values); found in one pass in C where it can be."""
         if room not in self._destinations:
             heads, tokens = self.sharp.shape
-            sharp = torch.nn.functional.pad(self.sharp.to(self.high.scale.device), (0, room))  # (kv_heads, tokens + room)
-            self._destinations[room] = (_rows_of(sharp), _rows_of(_held(heads, tokens, room, sharp.device) & ~sharp))
+            high = torch.empty(heads * self.high.shape[1], dtype=torch.int64)
+            low = torch.empty(heads * self.low.shape[1], dtype=torch.int64)
+            sharp = self.sharp.contiguous()
+            if (sharp.device.type == "cpu" and native.unavailable_reason() is None  # one pass in C
+                    and native.kernels().part_rows(sharp.data_ptr(), heads, tokens, room, high.data_ptr(),
+                                                   high.shape[0], low.data_ptr(), low.shape[0]) == 0):
+                self._destinations[room] = (high, low)
+            else:
+                sharp = torch.nn.functional.pad(self.sharp.to(self.high.scale.device), (0, room))  # (kv_heads, tokens + room)
+                self._destinations[room] = (_rows_of(sharp), _rows_of(_held(heads, tokens, room, sharp.device) & ~sharp))
         return self._destinations[room]
 
     @property

@@ -440,3 +440,35 @@ def test_damaged_sharper_parts_are_refused(tiny_loaded, tmp_path):
         save_file(tensors, str(bad), metadata={"snapkv": json.dumps(signed(metadata, tensors))})
         with pytest.raises(CacheFileError, match=message):
             load_cache(bad)
+
+
+def test_masks_and_part_rows_read_the_same_in_c_as_in_numpy_and_torch(monkeypatch):
+    """A saved mask's positions (snapkv.cachefile) and a Mixed part's destination rows (snapkv.quantize), found by
+    snapkv/kernels/dequantize.c and without it: the same, for any room; heads keeping different counts refused both
+    ways."""
+    from snapkv import native
+    from snapkv.cachefile import _pack_mask, _unpack_mask
+    from snapkv.quantize import Scheme, quantize_mixed
+
+    if native.unavailable_reason() is not None:
+        pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
+    torch.manual_seed(8)
+    positions = torch.sort(torch.stack([torch.randperm(203)[:57] for _ in range(3)]), dim=-1).values
+    mask = _pack_mask(positions, 203)
+    uneven = mask.clone()
+    uneven[1, 0] ^= 1
+    sharp = torch.zeros(3, 203, dtype=torch.bool).scatter_(1, positions, True)
+    mixed = quantize_mixed(torch.randn(3, 203, 16), sharp, Scheme(8, 1, 32, False), Scheme(3, 1, 128, True))
+    found = {}
+    for off in (True, False):
+        with monkeypatch.context() as patch:
+            if off:
+                patch.setenv(native.DISABLE, "0")
+            with pytest.raises(ValueError, match="different"):
+                _unpack_mask(uneven, 203)
+            mixed._destinations.clear()
+            found[off] = [_unpack_mask(mask, 203), *mixed.destination_rows(0), *mixed.destination_rows(5)]
+    assert torch.equal(found[True][0], positions)
+    assert all(torch.equal(a, b) for a, b in zip(found[True], found[False]))
+    assert found[False][3][:57].tolist() == positions[0].tolist()  # head 0's sharper tokens, room after each head
+    assert found[False][3][57:114].tolist() == (positions[1] + 208).tolist()

@@ -233,3 +233,41 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
     }
     return 0;
 }
+
+/* The kept positions of a saved layer from its bit mask (snapkv.cachefile: bit p % 8 of byte p // 8 set where
+ * position p is kept). mask: (heads, bytes), `length` positions each; positions: NULL (count only), or (heads, count)
+ * out, ascending. Returns count, the positions every head keeps, or -1 where heads keep different numbers. */
+int64_t mask_positions(const uint8_t *mask, int64_t heads, int64_t length, int64_t bytes, int64_t *positions) {
+    int64_t count = -1;
+    if (length > bytes * 8) return -1;
+    for (int64_t h = 0; h < heads; h++) {
+        const uint8_t *row = mask + h * bytes;
+        int64_t found = 0;
+        for (int64_t p = 0; p < length; p++)
+            if (row[p >> 3] >> (p & 7) & 1) {
+                if (positions) positions[h * count + found] = p;
+                found++;
+            }
+        if (count >= 0 && found != count) return -1;
+        count = found;
+    }
+    return count < 0 ? 0 : count;
+}
+
+/* The rows of a (heads * (tokens + room), head_dim) buffer that a Mixed part's rows go to (snapkv.quantize.Mixed:
+ * a head's sharper tokens in order, then the next head's; the same for the rest). sharp: (heads, tokens) bool;
+ * high, low: high_count / low_count rows out. Returns 0, or -1 (nothing past them written) where the sharper and
+ * other tokens are not that many. */
+int part_rows(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t room, int64_t *high, int64_t high_count,
+              int64_t *low, int64_t low_count) {
+    int64_t sharper = 0;
+    for (int64_t i = 0; i < heads * tokens; i++) sharper += sharp[i] != 0;
+    if (sharper != high_count || heads * tokens - sharper != low_count) return -1;
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t t = 0; t < tokens; t++) {
+            const int64_t row = h * (tokens + room) + t;
+            if (sharp[h * tokens + t]) *high++ = row;
+            else *low++ = row;
+        }
+    return 0;
+}

@@ -121,14 +121,13 @@ int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t
 }
 
 /* out (heads, count, row_bytes) = the rows indices[h][i] of head h of `states` (heads at head_stride bytes apart,
- * rows of row_bytes contiguous). Returns 0, or -1 (nothing written) where an index is not below `rows`. */
+ * rows of row_bytes contiguous), over `threads` OpenMP threads. Returns 0, or -1 (nothing written) where an index is not below `rows`. */
 int gather_rows(const uint8_t *states, int64_t heads, int64_t head_stride, int64_t rows, int64_t row_bytes,
-                const int64_t *indices, int64_t count, uint8_t *out) {
+                const int64_t *indices, int64_t count, uint8_t *out, int threads) {
     for (int64_t i = 0; i < heads * count; i++)
         if (indices[i] < 0 || indices[i] >= rows) return -1;
-    for (int64_t h = 0; h < heads; h++)
-        for (int64_t i = 0; i < count; i++)
-            memcpy(out + (h * count + i) * row_bytes, states + h * head_stride + indices[h * count + i] * row_bytes,
-                   (size_t)row_bytes);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < heads * count; i++)  /* row i of the output: head i / count's i % count-th index */
+        memcpy(out + i * row_bytes, states + i / count * head_stride + indices[i] * row_bytes, (size_t)row_bytes);
     return 0;
 }
