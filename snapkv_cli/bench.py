@@ -145,7 +145,8 @@ def bench(
         stdout_console().print(
             f"follow-up question at {follow.length} tokens, budget {follow.budget}: load {follow.load_seconds:.3f} s + "
             f"first token {follow.ttft_seconds:.3f} s vs re-prefill {follow.reprefill_seconds:.2f} s = "
-            f"{follow.speedup:.1f}x faster ({follow.file_bytes / 2**20:.1f} MiB file)")
+            f"{follow.speedup:.1f}x faster ({follow.file_bytes / 2**20:.1f} MiB file; the median of "
+            f"{len(follow.round_seconds)} rounds: {', '.join(f'{total:.3f}' for total in follow.round_seconds)} s)")
         if follow.load_split:
             split = follow.load_split
             stdout_console().print(

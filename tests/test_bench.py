@@ -50,7 +50,11 @@ def test_random_weights_bench_json_and_plot(home, tmp_path):
         assert row["floor_ms_per_token"] == pytest.approx(expected_floor)
         assert row["above_floor"] == pytest.approx(row["decode_ms_per_token"] / expected_floor)
     assert full["floor_ms_per_token"] > small["floor_ms_per_token"]
-    assert data["followup"]["length"] == 1200 and data["followup"]["speedup"] > 0
+    follow = data["followup"]
+    assert follow["length"] == 1200 and follow["speedup"] > 0
+    # the round of median total is the one reported
+    assert len(follow["round_seconds"]) == 3
+    assert follow["load_seconds"] + follow["ttft_seconds"] == pytest.approx(sorted(follow["round_seconds"])[1])
     assert any("random weights" in note for note in data["notes"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
