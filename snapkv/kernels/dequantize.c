@@ -128,7 +128,10 @@ WIDE static inline void hadamard_64_wide(const float *block, float norm, float *
     const __m512 eights_negative = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
     __m512 v[4];
     for (int i = 0; i < 4; i++) {
-        __m512 x = _mm512_loadu_ps(block + 16 * i);
+        /* two 32-byte loads: the halves were just written by 32-byte stores, which forward to loads of their size
+         * (a 64-byte load would wait for both stores to reach the cache) */
+        __m512 x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(block + 16 * i)),
+                                      _mm256_loadu_ps(block + 16 * i + 8), 1);
         x = _mm512_add_ps(_mm512_permute_ps(x, 0xB1), _mm512_mul_ps(x, odd_negative));
         x = _mm512_add_ps(_mm512_permute_ps(x, 0x4E), _mm512_mul_ps(x, pairs_negative));
         x = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0xB1), _mm512_mul_ps(x, quads_negative));
