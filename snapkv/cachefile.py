@@ -446,12 +446,25 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
                        for kind in ("keys", "values"))
         restored = [part if isinstance(part, torch.Tensor) or defer else dequantize(part, restore_dtype)
                     for part in stored]
-        quantized = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))
-                     if isinstance(piece, Quantized)]
-        if quantized and not _all_finite(torch.cat([t.reshape(-1) for part in quantized for t in (part.scale, part.minimum)])):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
         found.append((restored[0], restored[1], positions, stored))
+    _check_finite_scales(path, [stored for *_, stored in found])
     return found
+
+
+def _check_finite_scales(path: Path, layers: list[tuple]) -> None:
+    """Every quantized part's scales and minimums finite, checked for all layers at once (one pass: a pass per layer
+    cost ~0.4 ms each in waking threads), then layer by layer only to name the one that is not."""
+
+    def scales_of(stored: tuple) -> list[torch.Tensor]:
+        pieces = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))]
+        return [t.reshape(-1) for piece in pieces if isinstance(piece, Quantized) for t in (piece.scale, piece.minimum)]
+
+    every = [t for stored in layers for t in scales_of(stored)]
+    if not every or _all_finite(torch.cat(every)):
+        return
+    for index, stored in enumerate(layers):
+        if not _all_finite(torch.cat(scales_of(stored))):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
 
 
 def load_cache(path: Path, *, identity: dict | None = None,

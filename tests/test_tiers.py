@@ -467,8 +467,11 @@ def test_masks_and_part_rows_read_the_same_in_c_as_in_numpy_and_torch(monkeypatc
             with pytest.raises(ValueError, match="different"):
                 _unpack_mask(uneven, 203)
             mixed._destinations.clear()
-            found[off] = [_unpack_mask(mask, 203), *mixed.destination_rows(0), *mixed.destination_rows(5)]
-    assert torch.equal(found[True][0], positions)
+            stray = mask.clone()
+            stray[:, -1] |= 0x80  # a bit past the 203 positions (position 207): not a position
+            found[off] = [_unpack_mask(mask, 203), _unpack_mask(stray, 203), *mixed.destination_rows(0),
+                          *mixed.destination_rows(5)]
+    assert torch.equal(found[True][0], positions) and torch.equal(found[True][1], positions)
     assert all(torch.equal(a, b) for a, b in zip(found[True], found[False]))
-    assert found[False][3][:57].tolist() == positions[0].tolist()  # head 0's sharper tokens, room after each head
-    assert found[False][3][57:114].tolist() == (positions[1] + 208).tolist()
+    assert found[False][4][:57].tolist() == positions[0].tolist()  # head 0's sharper tokens, room after each head
+    assert found[False][4][57:114].tolist() == (positions[1] + 208).tolist()

@@ -246,11 +246,17 @@ int64_t mask_positions(const uint8_t *mask, int64_t heads, int64_t length, int64
     for (int64_t h = 0; h < heads; h++) {
         const uint8_t *row = mask + h * bytes;
         int64_t found = 0;
-        for (int64_t p = 0; p < length; p++)
-            if (row[p >> 3] >> (p & 7) & 1) {
-                if (positions) positions[h * count + found] = p;
-                found++;
+        for (int64_t start = 0; start < length; start += 64) {  /* 64 positions a word, each set bit by its index */
+            uint64_t word = 0;
+            const int64_t first_byte = start / 8, word_bytes = (length - start + 7) / 8 < 8 ? (length - start + 7) / 8 : 8;
+            for (int64_t b = 0; b < word_bytes; b++) word |= (uint64_t)row[first_byte + b] << (8 * b);
+            if (length - start < 64) word &= ((uint64_t)1 << (length - start)) - 1;  /* no bits past the length */
+            if (!positions) {
+                found += __builtin_popcountll(word);
+                continue;
             }
+            for (; word; word &= word - 1) positions[h * count + found++] = start + __builtin_ctzll(word);
+        }
         if (count >= 0 && found != count) return -1;
         count = found;
     }
