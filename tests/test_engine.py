@@ -676,3 +676,16 @@ def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forwa
     assert not lean_decode.qualifies(llama, cache)
     handle.remove()
     assert not lean_decode.qualifies(build_tiny("llama-gqa", attn_implementation="eager"), cache)
+
+
+def test_a_masks_question_columns_are_remembered_only_while_it_is_unchanged():
+    """cpu_attention reads where a question's columns start once per mask (every layer of a forward gets the same
+    one); a mask changed in place, or another mask, is read again."""
+    from snapkv.cpu_attention import _question_columns
+
+    mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
+    assert _question_columns(mask) == _question_columns(mask) == 7
+    mask[0, 0, 0, 1] = False  # an earlier key masked for one row
+    assert _question_columns(mask) == 0
+    additive = torch.zeros(1, 1, 3, 10).masked_fill_(~torch.ones(3, 10, dtype=torch.bool).tril(diagonal=7), -1e9)
+    assert _question_columns(additive) == 7
