@@ -135,11 +135,11 @@ def _unpack_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     heads = mask.shape[0]
     if native.unavailable_reason() is None and mask.dim() == 2 and mask.shape[1] * 8 >= length:
         mask = mask.contiguous()  # snapkv/kernels/dequantize.c: a pass to count, a pass to write (~10 us)
-        count = native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1], None)
-        if count < 0:
+        count = native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1], None, 0)
+        positions = torch.empty(heads, max(count, 0), dtype=torch.int64)
+        if count < 0 or native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1],
+                                                        positions.data_ptr(), count) != count:
             raise ValueError("heads keep different numbers of positions")
-        positions = torch.empty(heads, count, dtype=torch.int64)
-        native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1], positions.data_ptr())
         return positions
     kept = np.unpackbits(mask.numpy(), axis=1, count=length, bitorder="little").view(bool)
     counts = np.count_nonzero(kept, axis=1)

@@ -101,7 +101,7 @@ def _load() -> ctypes.CDLL:
                                       pointer]  # snapkv.scoring: a cut's scores, positions and rows
     library.top_positions.argtypes = [pointer, size, size, size, size, pointer]
     library.gather_rows.argtypes = [pointer, size, size, size, size, pointer, size, pointer, ctypes.c_int]
-    library.mask_positions.argtypes = [pointer, size, size, size, pointer]  # snapkv.cachefile, snapkv.quantize
+    library.mask_positions.argtypes = [pointer, size, size, size, pointer, size]  # snapkv.cachefile, snapkv.quantize
     library.mask_positions.restype = size
     library.part_rows.argtypes = [pointer, size, size, size, pointer, size, pointer, size]
     library.wide_vectors.argtypes = [ctypes.c_int]  # 1/0: one row with AVX-512 where the CPU has it, or not; -1: ask

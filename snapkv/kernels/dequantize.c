@@ -238,10 +238,11 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
 }
 
 /* The kept positions of a saved layer from its bit mask (snapkv.cachefile: bit p % 8 of byte p // 8 set where
- * position p is kept). mask: (heads, bytes), `length` positions each; positions: NULL (count only), or (heads, count)
- * out, ascending. Returns count, the positions every head keeps, or -1 where heads keep different numbers. */
-int64_t mask_positions(const uint8_t *mask, int64_t heads, int64_t length, int64_t bytes, int64_t *positions) {
-    int64_t count = -1;
+ * position p is kept). mask: (heads, bytes), `length` positions each. positions NULL: returns how many positions
+ * every head keeps, or -1 where heads keep different numbers. Else positions: (heads, count) out, ascending; returns
+ * count, or -1 (nothing written past a head's count) where a head keeps another number. */
+int64_t mask_positions(const uint8_t *mask, int64_t heads, int64_t length, int64_t bytes, int64_t *positions,
+                       int64_t count) {
     if (length > bytes * 8) return -1;
     for (int64_t h = 0; h < heads; h++) {
         const uint8_t *row = mask + h * bytes;
@@ -255,12 +256,15 @@ int64_t mask_positions(const uint8_t *mask, int64_t heads, int64_t length, int64
                 found += __builtin_popcountll(word);
                 continue;
             }
-            for (; word; word &= word - 1) positions[h * count + found++] = start + __builtin_ctzll(word);
+            for (; word; word &= word - 1) {
+                if (found == count) return -1;
+                positions[h * count + found++] = start + __builtin_ctzll(word);
+            }
         }
-        if (count >= 0 && found != count) return -1;
-        count = found;
+        if (!positions && h == 0) count = found;
+        if (found != count) return -1;
     }
-    return count < 0 ? 0 : count;
+    return heads ? count : 0;
 }
 
 /* The rows of a (heads * (tokens + room), head_dim) buffer that a Mixed part's rows go to (snapkv.quantize.Mixed:
