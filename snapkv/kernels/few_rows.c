@@ -106,6 +106,12 @@ WIDE static void tile_product_wide_stored(const float *const a[ROW_BLOCK], const
     for (int i = 0; i < ROW_BLOCK; i++) _mm512_storeu_ps(sums[i], wide_sums[i]);
 }
 
+/* The lanes of vector v (columns v * 16..v * 16 + 15) that lie before column `count`. */
+static inline __mmask16 columns_before(int64_t count, int v) {
+    const int64_t left = count - v * 16;
+    return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
 /* out[i * out_stride + j] = sum over k < depth of a[i][k] * b[k * b_stride + j] for i < live rows and j < count
  * <= WIDE_TILE columns: ROW_BLOCK rows x 64 columns in 24 AVX-512 accumulators, so that each step loads 4 vectors
  * and 6 broadcasts for 24 FMAs (the 6 x 16 tile loads 7 for 6). Every sum runs over k in order, as tile_product's:
@@ -115,12 +121,9 @@ WIDE static void wide_tile_product(const float *const a[ROW_BLOCK], const float 
                                    float *out, int64_t out_stride, int live, int64_t count, int accumulate) {
     __m512 s[ROW_BLOCK][4];
     for (int i = 0; i < ROW_BLOCK; i++)
-        for (int v = 0; v < 4; v++) {
-            const int64_t left = count - v * 16;
-            const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            s[i][v] = accumulate && i < live ? _mm512_maskz_loadu_ps(keep, out + i * out_stride + v * 16)
+        for (int v = 0; v < 4; v++)
+            s[i][v] = accumulate && i < live ? _mm512_maskz_loadu_ps(columns_before(count, v), out + i * out_stride + v * 16)
                                              : _mm512_setzero_ps();
-        }
     for (int64_t k = 0; k < depth; k++, b += b_stride) {
         const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32),
                      b3 = _mm512_loadu_ps(b + 48);
@@ -133,11 +136,8 @@ WIDE static void wide_tile_product(const float *const a[ROW_BLOCK], const float 
         }
     }
     for (int i = 0; i < live; i++)
-        for (int v = 0; v < 4 && v * 16 < count; v++) {
-            const int64_t left = count - v * 16;
-            const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-            _mm512_mask_storeu_ps(out + i * out_stride + v * 16, keep, s[i][v]);
-        }
+        for (int v = 0; v < 4 && v * 16 < count; v++)
+            _mm512_mask_storeu_ps(out + i * out_stride + v * 16, columns_before(count, v), s[i][v]);
 }
 
 /* sums (ROW_BLOCK rows x 16 columns) stored as 16 floats per row: with AVX-512 where `wide`. */
