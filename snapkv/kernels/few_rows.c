@@ -271,18 +271,21 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
                 transposed_tile(tile_keys, count, head_dim, tile, KEY_TILE);
             rows_times_tile(scaled[h], rows, head_dim, tile, count, weights + h * rows * tokens + first, tokens, wide);
         }
-        /* the softmax: a query head's rows in order, each added to its head's window sums (if asked) while it is
-         * still in the nearest cache (one pass less over the weights than summing them afterwards) */
+        /* the softmax, row by row; with window sums asked for, a query head's rows in order in one task, each row
+         * added to its head's sums while it is still in the nearest cache (one pass less over the weights than
+         * summing them afterwards) */
+        const int64_t task_rows = window_sums ? question : 1;
 #pragma omp for schedule(static)
-        for (int64_t head = 0; head < kv_heads * (rows / question); head++)
-            for (int64_t i = 0; i < question; i++) {
-                float *row = weights + (head * question + i) * tokens;
+        for (int64_t task = 0; task < kv_heads * rows / task_rows; task++)
+            for (int64_t r = task * task_rows; r < (task + 1) * task_rows; r++) {
+                float *row = weights + r * tokens;
+                const int64_t i = r % question;  /* the question's token */
                 if (wide)
                     softmax_row_wide(row, tokens, tail_mask + i * question, question);
                 else
                     softmax_row(row, tokens, tail_mask + i * question, question);
                 if (window_sums && i >= question - window) {
-                    float *sums = window_sums + head * tokens;
+                    float *sums = window_sums + r / question * tokens;
                     if (i == question - window) memcpy(sums, row, sizeof(float) * (size_t)tokens);
                     else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j];
                 }

@@ -7,9 +7,10 @@
  *   gather_rows:    those rows of each head's keys or values, copied into a new tensor
  *                   (snapkv.scoring.gather_positions).
  *
- * PyTorch does the same in ~15 small ops per layer; these take one pass over the weights each (at 8k tokens of the
- * embedded model, 30 layers: ~45 ms of a follow-up question's pass, against a few here). Sums run in the order
- * PyTorch's run (query after query, then head after head), so the scores come out bit for bit the same. */
+ * PyTorch does the same in ~15 small ops per layer (at 8k tokens of the embedded model, 30 layers: ~45 ms of a
+ * follow-up question's pass; ~25 ms here, most of it the row copies). The scores are PyTorch's within fp32 rounding:
+ * a window's rows are summed one after another here, in PyTorch's own order there. Where the attention kernel has
+ * already summed the window (few_rows.c's window_sums), window_scores gets those sums as a window of one row. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -121,7 +122,8 @@ int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t
 }
 
 /* out (heads, count, row_bytes) = the rows indices[h][i] of head h of `states` (heads at head_stride bytes apart,
- * rows of row_bytes contiguous), over `threads` OpenMP threads. Returns 0, or -1 (nothing written) where an index is not below `rows`. */
+ * rows of row_bytes contiguous), over `threads` OpenMP threads. Returns 0, or -1 (nothing written) where an index
+ * is not below `rows`. */
 int gather_rows(const uint8_t *states, int64_t heads, int64_t head_stride, int64_t rows, int64_t row_bytes,
                 const int64_t *indices, int64_t count, uint8_t *out, int threads) {
     for (int64_t i = 0; i < heads * count; i++)
