@@ -81,9 +81,9 @@ class BenchResult:
     notes: list[str] = field(default_factory=list)
 
 
-def _answer(session: Session, prepared: PreparedDocument, max_new_tokens: int) -> AnswerResult:
+def _answer(session: Session, prepared: PreparedDocument, max_new_tokens: int, measure: bool = True) -> AnswerResult:
     stream = session.ask(prepared, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX,
-                         max_new_tokens=max_new_tokens, stop_at_end=False, measure=True)
+                         max_new_tokens=max_new_tokens, stop_at_end=False, measure=measure)
     for _ in stream:
         pass
     return stream.result
@@ -263,10 +263,8 @@ def _followup(session: Session, prepared: PreparedDocument, reprefill_seconds: f
         session.save(prepared, path)
         for _ in range(FOLLOWUP_ROUNDS):
             reloaded = session.load_file(path, check_sources=False)
-            stream = session.ask(reloaded, NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX, max_new_tokens=1)
-            for _ in stream:
-                pass
-            rounds.append((reloaded.load_seconds + stream.result.ttft_seconds, reloaded, stream.result))
+            first = _answer(session, reloaded, max_new_tokens=1, measure=False)
+            rounds.append((reloaded.load_seconds + first.ttft_seconds, reloaded, first))
     _, reloaded, first = sorted(rounds, key=lambda found: found[0])[len(rounds) // 2]
     return FollowUp(prepared.tokens, session.settings.budget, reprefill_seconds, reloaded.load_seconds,
                     first.ttft_seconds, prepared.file_bytes, reloaded.load_split, [total for total, _, _ in rounds])

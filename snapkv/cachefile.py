@@ -142,12 +142,19 @@ def _unpack_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
                                                         positions.data_ptr(), count) != count:
             raise ValueError("heads keep different numbers of positions")
         return positions
+    kept = _mask_bits(mask, length)
+    flat = np.flatnonzero(kept).reshape(heads, -1)  # positions in the (heads * length) mask: 4x faster than nonzero()
+    return torch.from_numpy(flat - np.arange(heads).reshape(heads, 1) * length)
+
+
+def _mask_bits(mask: torch.Tensor, length: int) -> np.ndarray:
+    """(kv_heads, bytes) uint8 -> (kv_heads, length) bool, True where a position's bit is set; ValueError when the
+    heads keep different numbers of positions."""
     kept = np.unpackbits(mask.numpy(), axis=1, count=length, bitorder="little").view(bool)
     counts = np.count_nonzero(kept, axis=1)
     if counts.size and (counts != counts[0]).any():
         raise ValueError("heads keep different numbers of positions")
-    flat = np.flatnonzero(kept).reshape(heads, -1)  # positions in the (heads * length) mask: 4x faster than nonzero()
-    return torch.from_numpy(flat - np.arange(heads).reshape(heads, 1) * length)
+    return kept
 
 
 def _stored_parts(name: str, part) -> dict[str, torch.Tensor]:
@@ -404,11 +411,10 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
     if mask.dtype != torch.uint8 or tuple(mask.shape) != (heads, (held + 7) // 8):
         raise CacheFileError(f"{path}: damaged cache ({name} sharper mask {tuple(mask.shape)})")
     try:
-        chosen = _unpack_mask(mask, held)  # (kv_heads, count)
+        sharp = torch.from_numpy(_mask_bits(mask, held))  # (kv_heads, held) bool, as Mixed holds it
     except ValueError as error:
         raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
-    sharp = torch.zeros(heads, held, dtype=torch.bool).scatter_(1, chosen, True)
-    count = chosen.shape[1]
+    count = int(sharp[0].sum()) if heads else 0
     return Mixed(sharp, _quantized_part(path, tensors, name, "sharp_", (heads, count, head_dim), storage,
                                         f"sharp_{kind}"),
                  _quantized_part(path, tensors, name, "", (heads, held - count, head_dim), storage, kind))

@@ -96,7 +96,8 @@ def bench(
                              "cache's estimate instead of a run."),
     prefill_chunk: int = typer.Option(4096, min=64, help="Chunk size of such a prefill, in tokens."),
 ) -> None:
-    """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle."""
+    """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle; and a follow-up
+    question from the saved cache (load + first token, the median of 3 rounds) against prefilling again."""
     from snapkv.bench import run_bench
     from snapkv.models import random_weights_model
 
