@@ -267,31 +267,44 @@ def test_truncation_fits_the_context(tiny_loaded, where):
         assert ",".join(map(str, body[: kept // 2])) in joined and ",".join(map(str, body[-(kept - kept // 2):])) in joined
 
 
-def test_the_digest_in_lanes_covers_every_byte_and_files_with_either_digest_load(tiny_loaded, tmp_path):
-    """What is written: payload_sha256 (for earlier snapkv versions) and payload_sha256_lanes (checked instead where
-    present: the same bytes hashed in runs at once). A file with only the first still loads; a byte flipped in any
-    run is found by either."""
+def test_the_digests_cover_every_byte_and_files_with_any_of_them_load(tiny_loaded, tmp_path):
+    """What is written: payload_sha256 (for the earliest snapkv versions), payload_sha256_lanes (the same bytes hashed
+    in runs at once) and payload_xxh3_128 (the checksum this version checks where present). A byte flipped anywhere is
+    found by each; a file with only the older digests still loads; a wrong one present is refused."""
     from safetensors.torch import load_file, save_file
 
-    from snapkv.cachefile import DIGEST_LANES, payload_digest
+    from snapkv.cachefile import DIGEST_LANES, payload_checksum, payload_digest
 
     _, prepared = saved(tiny_loaded, tmp_path)
     metadata = read_metadata(prepared.path)
     tensors = load_file(str(prepared.path))
     assert metadata["payload_sha256"] == payload_digest(tensors)
     assert metadata["payload_sha256_lanes"] == {"lanes": DIGEST_LANES, "sha256": payload_digest(tensors, DIGEST_LANES)}
+    assert metadata["payload_xxh3_128"] == payload_checksum(tensors) and len(payload_checksum(tensors)) == 32
     assert payload_digest(tensors, 3) not in (payload_digest(tensors), payload_digest(tensors, 2))
     names = sorted(tensors)
     for name in (names[0], names[len(names) // 2], names[-1]):  # the first run, the middle, the last
-        changed = dict(tensors)
-        changed[name] = tensors[name].clone()
-        changed[name].view(-1).view(torch.uint8)[0] ^= 1
-        assert all(payload_digest(changed, lanes) != payload_digest(tensors, lanes) for lanes in (1, 2, 3))
-    older = tmp_path / "older.snapkv"  # as an earlier snapkv wrote it
-    del metadata["payload_sha256_lanes"]
-    save_file(tensors, str(older), metadata={"snapkv": json.dumps(metadata)})
-    load_cache(older)
-    metadata["payload_sha256_lanes"] = {"lanes": 2, "sha256": "0" * 64}  # present and wrong: refused
-    save_file(tensors, str(older), metadata={"snapkv": json.dumps(metadata)})
+        for byte in (0, -1):
+            changed = dict(tensors)
+            changed[name] = tensors[name].clone()
+            changed[name].view(-1).view(torch.uint8)[byte] ^= 1
+            assert all(payload_digest(changed, lanes) != payload_digest(tensors, lanes) for lanes in (1, 2, 3))
+            assert payload_checksum(changed) != payload_checksum(tensors)
+    renamed = {("x" + name if name == names[0] else name): tensor for name, tensor in tensors.items()}
+    assert payload_checksum(renamed) != payload_checksum(tensors)  # names are covered, not only bytes
+
+    def written(**fields):
+        path = tmp_path / "variant.snapkv"
+        save_file(tensors, str(path), metadata={"snapkv": json.dumps({**metadata, **fields})})
+        return path
+
+    with pytest.raises(CacheFileError, match="digest"):  # the checksum is what is checked where present
+        load_cache(written(payload_xxh3_128="0" * 32))
+    del metadata["payload_xxh3_128"]  # as the previous snapkv wrote it: the digest in lanes is checked
+    load_cache(written())
     with pytest.raises(CacheFileError, match="digest"):
-        load_cache(older)
+        load_cache(written(payload_sha256_lanes={"lanes": 2, "sha256": "0" * 64}))
+    del metadata["payload_sha256_lanes"]  # as the earliest versions wrote it
+    load_cache(written())
+    with pytest.raises(CacheFileError, match="digest"):
+        load_cache(written(payload_sha256="0" * 64))

@@ -391,12 +391,11 @@ def test_format_1_files_are_still_read(tiny_loaded, tmp_path):
 
 
 def signed(metadata: dict, tensors: dict) -> dict:
-    """metadata with both digests of these tensors, as save_cache writes them: a damaged file that passes the digest
+    """metadata with every digest of these tensors, as save_cache writes them: a damaged file that passes the digest
     check, so that what is refused is the damage itself."""
-    from snapkv.cachefile import DIGEST_LANES, payload_digest
+    from snapkv.cachefile import payload_signatures
 
-    return {**metadata, "payload_sha256": payload_digest(tensors),
-            "payload_sha256_lanes": {"lanes": DIGEST_LANES, "sha256": payload_digest(tensors, DIGEST_LANES)}}
+    return {**metadata, **payload_signatures(tensors)}
 
 
 def test_damaged_quantized_parts_are_refused(tiny_loaded, tmp_path):
