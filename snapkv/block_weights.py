@@ -114,6 +114,14 @@ def few_rows_blocks_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -
     return y if status == 0 else None
 
 
+def rows_times_blocks(x: torch.Tensor, blocks: Blocks, out_features: int) -> torch.Tensor | None:
+    """x (rows, in) fp32 contiguous, rows <= FEW_ROWS -> (rows, out) = x @ W^T from W's blocks: up to KERNEL_ROWS
+    rows by the block kernel, more by kernels/few_rows.c (None where it refuses the shape)."""
+    if x.shape[0] <= KERNEL_ROWS:
+        return blockwise_matmul(x, blocks, out_features)
+    return few_rows_blocks_matmul(x, blocks, out_features)
+
+
 def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torch.Tensor:
     """x (rows, in) fp32 contiguous, rows <= native.MAX_ROWS -> (rows, out) = x @ W^T, W given as blocks."""
     library = native.kernels()
@@ -150,11 +158,8 @@ class BlockLinear(torch.nn.Module):
         if rows > FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features).contiguous()
-        if rows <= KERNEL_ROWS:
-            y = blockwise_matmul(flat, self.blocks, self.out_features)
-        else:  # from the blocks where the kernel takes them: the same bits as from `weight`, fewer bytes read
-            y = few_rows_blocks_matmul(flat, self.blocks, self.out_features)
-            y = y if y is not None else few_rows_matmul(flat, self.weight)
+        y = rows_times_blocks(flat, self.blocks, self.out_features)
+        y = y if y is not None else few_rows_matmul(flat, self.weight)
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -197,13 +202,19 @@ def fused_blocks(parent: torch.nn.Module, names: tuple[str, ...]) -> Blocks | No
 
 
 def fused_outputs(parent: torch.nn.Module, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
-    """The outputs of `parent`'s projections `names` for one fp32 row x (..., in) from their fused blocks, in one
-    kernel call, each (..., out); None where they are not fused (call them one by one)."""
+    """The outputs of `parent`'s projections `names` for fp32 rows x (..., in) on CPU (a decoded token, a question:
+    up to FEW_ROWS) from their fused blocks, in one kernel call, each (..., out): the same bits as each projection
+    called on its own (every output's sum runs over the inputs in the same order). None where they are not fused
+    or the rows do not fit (call them one by one)."""
     fused = fused_blocks(parent, names)
-    if fused is None or x.numel() != x.shape[-1] or x.dtype != torch.float32 or torch.is_grad_enabled():
+    rows = x.numel() // x.shape[-1]
+    if (fused is None or rows > FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+            or torch.is_grad_enabled()):
         return None
     sizes = [getattr(parent, name).out_features for name in names]
-    y = blockwise_matmul(x.reshape(1, -1).contiguous(), fused, sum(sizes))
+    y = rows_times_blocks(x.reshape(rows, -1).contiguous(), fused, sum(sizes))
+    if y is None:
+        return None
     return [part.reshape(*x.shape[:-1], -1) for part in y.split(sizes, dim=-1)]
 
 

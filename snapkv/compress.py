@@ -60,12 +60,11 @@ def _scores_from_attention(method, captured: cpu_attention.Captured | None, keys
     return method.score_weights(captured.weights[..., -window:, : n - window])
 
 
-def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
+def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache, position_embeddings) -> None:
+    """Cut the cache layer of attention `module` to the plan, right after the module ran in a forward over
+    hidden_states (batch, new tokens, hidden) with RoPE's (cos, sin); scored from the attention weights the module
+    kept (snapkv.cpu_attention, with CAPTURE set by `capturing`) where it did, else from the window's queries."""
     captured = module.__dict__.pop(cpu_attention.CAPTURED, None)  # this forward's, used once or dropped
-    cache = cache_argument(kwargs)
-    if cache is None:
-        return
-    hidden_states = args[0] if args else kwargs["hidden_states"]
     layer = cache.layers[module.layer_idx]
     keys, values = layer.keys, layer.values  # (batch, kv_heads, n, head_dim)
     n = keys.shape[2]
@@ -74,7 +73,7 @@ def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) ->
         return  # nothing to drop: the layer is left whole
     scores = _scores_from_attention(plan.cut.method, captured, keys, window)
     if scores is None:  # the window's queries again, and their attention onto every key
-        cos, sin = kwargs["position_embeddings"]
+        cos, sin = position_embeddings
         queries = window_queries(
             module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
         )
@@ -85,21 +84,39 @@ def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) ->
     plan.kept[module.layer_idx] = indices
 
 
+def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
+    cache = cache_argument(kwargs)
+    if cache is None:
+        module.__dict__.pop(cpu_attention.CAPTURED, None)
+        return
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    cut_layer(plan, module, hidden_states, cache, kwargs.get("position_embeddings"))
+
+
+@contextmanager
+def capturing(model, window: int) -> Iterator[list[torch.nn.Module]]:
+    """Within the block, every compressible attention module keeps its attention weights over the last `window`
+    rows (snapkv.cpu_attention's CAPTURE) for cut_layer; yields those modules."""
+    modules = [layer.module for layer in attention_layers(model) if layer.compressible]
+    try:
+        for module in modules:
+            setattr(module, cpu_attention.CAPTURE, window)
+        yield modules
+    finally:
+        for module in modules:
+            module.__dict__.pop(cpu_attention.CAPTURE, None)
+            module.__dict__.pop(cpu_attention.CAPTURED, None)
+
+
 @contextmanager
 def compressing(model, plan: CompressionPlan) -> Iterator[CompressionPlan]:
     """Within the block, every compressible attention layer cuts its cache to the plan after it runs."""
-    handles, capturing = [], []
+    handles = []
     try:
-        for layer in attention_layers(model):
-            if layer.compressible:
-                hook = partial(_compress_layer_hook, plan)
-                handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
-                capturing.append(layer.module)
-                setattr(layer.module, cpu_attention.CAPTURE, plan.window)
-        yield plan
+        with capturing(model, plan.window) as modules:
+            for module in modules:
+                handles.append(module.register_forward_hook(partial(_compress_layer_hook, plan), with_kwargs=True))
+            yield plan
     finally:
         for handle in handles:
             handle.remove()
-        for module in capturing:
-            module.__dict__.pop(cpu_attention.CAPTURE, None)
-            module.__dict__.pop(cpu_attention.CAPTURED, None)

@@ -204,8 +204,8 @@ def answer(
     transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
     decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
     (snapkv.compiled); the eager step otherwise, or if compiling fails.
-    lean: the eager step as snapkv.lean_decode writes it out (None: where the model qualifies, a plain
-    Llama-family model on CPU), or False: the model's own forward, to measure against.
+    lean: the question's pass and the eager step as snapkv.lean_decode writes them out (None: where the model
+    qualifies, a plain Llama-family model on CPU), or False: the model's own forward, to measure against.
     native: the lean step's layers in one C call (snapkv.native_decode; None: where the model's projections are
     4/8-bit blocks and the cache is presized in fp32), or False: the lean step as written in PyTorch.
     """
@@ -219,10 +219,12 @@ def answer(
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    # (1, q)
-    positions = torch.arange(start, start + q, device=device).unsqueeze(0)
-    with compressing(model, plan) if plan else nullcontext():
-        logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
+    if lean is not False and lean_decode.qualifies(model, working):
+        logits = lean_decode.question_pass(model, question_ids.to(device), start, working, plan)
+    else:
+        positions = torch.arange(start, start + q, device=device).unsqueeze(0)  # (1, q)
+        with compressing(model, plan) if plan else nullcontext():
+            logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
     release_buffers(working)
     static = stepper = None
     write_in_place = lean_step = False

@@ -1,4 +1,5 @@
-"""One decoded token through a Llama-family model on CPU, written out as the few PyTorch calls it needs.
+"""One decoded token, or a question's pass, through a Llama-family model on CPU, written out as the few PyTorch calls
+it needs.
 
 transformers' forward of one token through the embedded model makes about 2,400 PyTorch calls, with Python
 around each layer (mask construction, keyword plumbing, output wrappers, module hooks); on a 2-core CPU that
@@ -10,7 +11,13 @@ the bit), and none of the plumbing. Everything else (other architectures, slidin
 with hooks such as accelerate's device_map) keeps the model's own forward. Checked against it, logits and
 greedy tokens, in tests/test_engine.py. Where the projections are also 4/8-bit blocks (the embedded model in fp32),
 snapkv.native_decode runs these same layers in one C call per token instead.
+
+question_pass does the same for a question's tokens over a saved cache (a follow-up's pass: 8k tokens of the embedded
+model, ~0.2 s in all, of which the plumbing took ~0.03 s), cutting each layer as snapkv.compress's hook would, right
+after its attention; q/k/v and gate/up each in one kernel call where their blocks are fused.
 """
+
+from contextlib import nullcontext
 
 import torch
 from transformers import DynamicCache
@@ -18,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .block_weights import FUSIBLE, fused_outputs
+from .compress import CompressionPlan, capturing, cut_layer
 
 PLAIN_LLAMA = ("llama", "mistral", "qwen2")
 QKV, GATE_UP = FUSIBLE  # projections read by one kernel call where their 4/8-bit blocks are fused
@@ -82,3 +90,45 @@ def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.
         gate, up = fused_outputs(mlp, GATE_UP, normed) or [getattr(mlp, name)(normed) for name in GATE_UP]
         hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
     return model.lm_head(rms_norm(inner.norm, hidden))[0, -1]
+
+
+def _question_mask(rows: int, cached: int) -> torch.Tensor:
+    """(1, 1, rows, cached + rows) bool, True where attended: every cached position, and the question's own tokens
+    causally (what transformers' sdpa mask holds for these rows after a cache of `cached`)."""
+    mask = torch.ones(1, 1, rows, cached + rows, dtype=torch.bool)
+    mask[..., cached:] = torch.ones(rows, rows, dtype=torch.bool).tril()
+    return mask
+
+
+@torch.inference_mode()
+def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicCache,
+                  plan: CompressionPlan | None) -> torch.Tensor:
+    """The question's tokens (q,) at positions start.. appended to `cache`, each compressible layer then cut by `plan`
+    (None: none is) as snapkv.compress.compressing cuts it; the last token's logits (vocab,)."""
+    inner = model.model
+    attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
+    rows = question_ids.shape[0]
+    hidden = inner.embed_tokens(question_ids.unsqueeze(0))  # (1, q, hidden)
+    cos, sin = inner.rotary_emb(hidden, torch.arange(start, start + rows).unsqueeze(0))  # (1, q, head_dim) each
+    over_heads = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, q, head_dim)
+    mask = _question_mask(rows, cache.get_seq_length())  # one mask for every layer, as transformers makes it
+    with capturing(model, plan.window) if plan is not None else nullcontext(()) as cut_modules:
+        for layer in inner.layers:
+            attention = layer.self_attn
+            normed = rms_norm(layer.input_layernorm, hidden)
+            shape = (1, rows, -1, attention.head_dim)
+            # (1, heads, q, head_dim) and (1, kv_heads, q, head_dim)
+            projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
+            query, key, value = (part.view(shape).transpose(1, 2) for part in projected)
+            query = (query * over_heads[0]) + (_rotate_half(query) * over_heads[1])
+            key = (key * over_heads[0]) + (_rotate_half(key) * over_heads[1])
+            keys, values = cache.update(key, value, attention.layer_idx)
+            output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
+            if attention in cut_modules:
+                cut_layer(plan, attention, normed, cache, (cos, sin))
+            hidden = hidden + attention.o_proj(output.reshape(1, rows, -1).contiguous())
+            normed = rms_norm(layer.post_attention_layernorm, hidden)
+            mlp = layer.mlp
+            gate, up = fused_outputs(mlp, GATE_UP, normed) or [getattr(mlp, name)(normed) for name in GATE_UP]
+            hidden = hidden + mlp.down_proj(mlp.act_fn(gate) * up)
+    return model.lm_head(rms_norm(inner.norm, hidden)[:, -1:])[0, -1]

@@ -1,5 +1,7 @@
 """SnapKV mechanics on tiny random models of every supported architecture."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
@@ -660,6 +662,60 @@ def test_lean_decode_step_is_the_models_forward_to_the_bit(name, dtype, monkeypa
         steps.clear()
         assert list(answer(model, cache, question, per_question=cut, max_new_tokens=12)) == tokens
         assert len(steps) == len(tokens) - 1  # every token after the first (which the question pass gives)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2"])
+def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, dtype, deferred, tmp_path,
+                                                                           monkeypatch):
+    """snapkv.lean_decode.question_pass: a question over a cache (restored into the room of a deferred one, or a
+    plain copy), each layer cut as snapkv.compress's hook cuts it: the same logits, the same kept positions and the
+    same cached keys and values, bit for bit, as the model's forward under compressing(); with SnapKV's scores from
+    the attention kernel's window sums in fp32. answer() takes it (and gives the same tokens) unless lean=False."""
+    from snapkv import cpu_attention, lean_decode
+    from snapkv.cachefile import load_cache, save_cache
+    from snapkv.generation import run_forward
+
+    model = build_tiny(name, attn_implementation=cpu_attention.NAME).to(dtype)
+    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
+    if deferred:
+        save_cache(tmp_path / "cache.snapkv", cache.at_precision(4))
+        cache, _ = load_cache(tmp_path / "cache.snapkv", question_room=16, dtype=dtype)
+    question = random_ids(6, 6)
+    positions = torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6)
+    sums = []  # per C attention call: whether it gave the window's sums
+    real_native = cpu_attention._attend_natively
+    monkeypatch.setattr(cpu_attention, "_attend_natively",
+                        lambda *a: (found := real_native(*a)) is not None and sums.append(found[2] is not None) or found)
+    for cut in (None, Cut(24, 4), Cut(24, 8)):
+        results = {}
+        for way in ("forward", "lean"):
+            working = cache.to_dynamic_cache(model.config, into_room=True)
+            assert lean_decode.qualifies(model, working)
+            plan = CompressionPlan(cut, window=6) if cut else None
+            if way == "forward":
+                with compressing(model, plan) if plan else contextlib.nullcontext():
+                    logits = run_forward(model, question.unsqueeze(0), working, positions.unsqueeze(0))
+            else:
+                logits = lean_decode.question_pass(model, question, PROMPT_LENGTH, working, plan)
+            results[way] = (logits, plan.kept if plan else {}, [layer.keys for layer in working.layers],
+                            [layer.values for layer in working.layers])
+        (logits, kept, keys, values), (lean_logits, lean_kept, lean_keys, lean_values) = results.values()
+        assert torch.equal(lean_logits, logits)
+        assert kept.keys() == lean_kept.keys() and (not cut or len(kept) == len(model.model.layers))
+        assert all(torch.equal(kept[i], lean_kept[i]) for i in kept)
+        assert all(torch.equal(a, b) for a, b in zip(keys + values, lean_keys + lean_values))
+    if dtype == torch.float32 and native.unavailable_reason() is None:  # the C kernel's sums scored every cut
+        assert sums == [False] * 6 + [True] * 12  # 3 layers x 2 ways: no cut, then two cuts
+    passes = []
+    real_pass = lean_decode.question_pass
+    monkeypatch.setattr(lean_decode, "question_pass", lambda *a: passes.append(1) or real_pass(*a))
+    for cut in (None, Cut(24, 8)):
+        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8, lean=False))
+        assert not passes
+        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=8)) == tokens and passes
+        passes.clear()
 
 
 @pytest.mark.parametrize("name", ["phi3", "qwen3", "gemma3"])
