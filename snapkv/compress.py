@@ -48,16 +48,19 @@ def cache_argument(kwargs: dict):
 def _scores_from_attention(method, captured: cpu_attention.Captured | None, keys: torch.Tensor,
                            window: int) -> torch.Tensor | None:
     """The method's scores from the attention weights the layer just computed (snapkv.cpu_attention keeps them in
-    fp32 for a few query rows, and their sums over the window where its C kernel ran), or None where there are none
-    for these keys or the method cannot use them."""
+    fp32 for a few query rows: the weights where PyTorch's matmuls made them, their sums over the window where its C
+    kernel did), or None where there are none for these keys or the method cannot use them."""
     n = keys.shape[2]
-    if captured is None or captured.weights.shape[-1] != n:
+    if captured is None:
         return None
-    if captured.window_sums is not None and captured.window == window and hasattr(method, "score_window_sums"):
-        return method.score_window_sums(captured.window_sums[..., : n - window])
-    if not hasattr(method, "score_weights") or captured.weights.shape[-2] < window:
+    sums, weights = captured.window_sums, captured.weights
+    if (sums is not None and sums.shape[-1] == n and captured.window == window
+            and hasattr(method, "score_window_sums")):
+        return method.score_window_sums(sums[..., : n - window])
+    if (weights is None or weights.shape[-1] != n or weights.shape[-2] < window
+            or not hasattr(method, "score_weights")):
         return None
-    return method.score_weights(captured.weights[..., -window:, : n - window])
+    return method.score_weights(weights[..., -window:, : n - window])
 
 
 def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache, position_embeddings) -> None:

@@ -38,15 +38,15 @@ CAPTURE, CAPTURED = "snapkv_capture_weights", "snapkv_captured_weights"
 
 @dataclass
 class Captured:
-    """A question's attention weights, kept for the cut that follows.
+    """A question's attention weights, kept for the cut that follows: the weights themselves (PyTorch's matmuls), or
+    their sums over the window's rows (snapkv/kernels/few_rows.c, which adds each row in as it leaves the softmax).
 
-    weights:     (batch, kv_heads, group, q, n) fp32, softmax over all n keys, causal among the q rows
+    weights:     (batch, kv_heads, group, q, n) fp32, softmax over all n keys, causal among the q rows; or None
     window:      the observation window: the question's last `window` rows (at most q)
-    window_sums: (batch, kv_heads, group, n) the weights summed over the window's rows (snapkv/kernels/few_rows.c
-                 adds each row in as it leaves the softmax), or None where they were not computed
+    window_sums: (batch, kv_heads, group, n) the weights summed over the window's rows, or None
     """
 
-    weights: torch.Tensor
+    weights: torch.Tensor | None
     window: int
     window_sums: torch.Tensor | None = None
 
@@ -104,12 +104,12 @@ def _apply_mask(scores: torch.Tensor, attention_mask: torch.Tensor) -> None:
 
 
 def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
-                     scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """A question's fp32 rows through snapkv/kernels/few_rows.c: (output (kv_heads, group * q, head_dim),
-    weights (kv_heads, group * q, n), the weights summed over each query head's last `window` rows (kv_heads,
-    group, n) or None for window 0), or None where it does not apply (a batch, a layout or head size it does not
-    take, earlier columns masked, the kernels unavailable). query (1, heads, q, head_dim); key, value (1, kv_heads,
-    n, head_dim), each head's rows contiguous; attention_mask (1, 1, q, n)."""
+                     scale: float, window: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A question's fp32 rows through snapkv/kernels/few_rows.c: (output (kv_heads, group * q, head_dim), the
+    softmax summed over each query head's last `window` rows (kv_heads, group, n) or None for window 0), or None
+    where it does not apply (a batch, a layout or head size it does not take, earlier columns masked, the kernels
+    unavailable). query (1, heads, q, head_dim); key, value (1, kv_heads, n, head_dim), each head's rows contiguous;
+    attention_mask (1, 1, q, n)."""
     _, heads, rows, head_dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     if (query.shape[0] != 1 or rows < 2 or head_dim not in NATIVE_HEAD_DIMS or attention_mask is None
@@ -120,7 +120,7 @@ def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     tail = (torch.zeros(rows, rows).masked_fill_(~tail, float("-inf")) if tail.dtype == torch.bool
             else tail.float().contiguous())
     query = query.contiguous()
-    weights = torch.empty(kv_heads, heads // kv_heads * rows, n)
+    weights = torch.empty(kv_heads, heads // kv_heads * rows, n)  # the kernel's room for scores and numerators
     output = torch.empty(kv_heads, heads // kv_heads * rows, head_dim)
     window = min(window, rows)
     sums = torch.empty(kv_heads, heads // kv_heads, n) if window else None
@@ -128,7 +128,7 @@ def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query.data_ptr(), kv_heads, heads // kv_heads * rows, rows, scale, key.data_ptr(), key.stride(1),
         value.data_ptr(), value.stride(1), n, head_dim, tail.data_ptr(), weights.data_ptr(), output.data_ptr(),
         window, None if sums is None else sums.data_ptr(), torch.get_num_threads())
-    return (output, weights, sums) if status == 0 else None
+    return (output, sums) if status == 0 else None
 
 
 def decodes_by_matmuls(model, keys: torch.Tensor) -> bool:
@@ -154,12 +154,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     natively = (_attend_natively(query, key, value, attention_mask, scale, window) if query.dtype == torch.float32
                 else None)
     if natively is not None:
-        output, weights, sums = natively
+        (output, sums), weights = natively, None
     else:
         (output, weights), sums = _attend_by_matmuls(query, key, value, attention_mask, scale), None
     if window and query.dtype == torch.float32:
-        setattr(module, CAPTURED, Captured(weights.view(batch, kv_heads, group, rows, -1), window,
-                                           None if sums is None else sums.view(batch, kv_heads, group, -1)))
+        setattr(module, CAPTURED, Captured(None if weights is None else weights.view(batch, kv_heads, group, rows, -1),
+                                           window, None if sums is None else sums.view(batch, kv_heads, group, -1)))
     return output.view(batch, heads, rows, head_dim).transpose(1, 2).contiguous(), None
 
 

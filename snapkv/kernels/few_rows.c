@@ -11,11 +11,13 @@
  *            floats apart
  *   tail_mask: (question, question) added to the scores of the last `question` columns (0 or -inf): every
  *            row attends to all the earlier columns
- *   weights: (kv_heads, rows, tokens) out: the softmax, kept (snapkv.compress scores SnapKV from it)
- *   out:     (kv_heads, rows, head_dim) out: weights @ values
- *   window_sums: NULL, or (kv_heads, rows / question, tokens) out: per query head, its weights summed over the
+ *   weights: (kv_heads, rows, tokens) out, and the scores' room: the softmax's numerators e^(score - the row's
+ *            largest), left unnormalized (one pass less over them)
+ *   out:     (kv_heads, rows, head_dim) out: softmax @ values, as (weights @ values) / each row's sum of weights
+ *   window_sums: NULL, or (kv_heads, rows / question, tokens) out: per query head, its softmax summed over the
  *            question's last `window` tokens (SnapKV's scores before pooling, snapkv.scoring.pooled_window_scores)
- *   the softmax is simd.h's softmax_row (exp by Cephes' single-precision polynomial, within 2 ulp of expf).
+ *   the softmax is simd.h's (exp by Cephes' single-precision polynomial, within 2 ulp of expf), each row's largest
+ *   score found tile by tile as the scores are made.
  * linear_rows: y (rows, n) = x (rows, k) @ W^T for W (n, k) row-major (snapkv.block_weights: a question's rows);
  *   linear_rows_blocks the same with W as 4-bit or 8-bit blocks, decoded to its exact fp32 values a tile at a time.
  *
@@ -175,18 +177,13 @@ WIDE static inline __m512 exp_16(__m512 x) {
     return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(p, _mm512_castsi512_ps(two_to_n)));
 }
 
-/* softmax_row (simd.h) 16 lanes at a time: the same bits. The exponentials are summed into 8 lanes, the low half of
- * each vector before the high, which is the order softmax_row adds them in. */
-WIDE static void softmax_row_wide(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
-    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
-    __m512 high = _mm512_set1_ps(-INFINITY);
-    int64_t j = 0;
-    for (; j + 16 <= tokens; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
-    float top = _mm512_reduce_max_ps(high);
-    for (; j < tokens; j++) top = row[j] > top ? row[j] : top;
+/* row_exponentials (simd.h) 16 lanes at a time: the same bits. The exponentials are summed into 8 lanes, the low
+ * half of each vector before the high, which is the order row_exponentials adds them in. */
+WIDE static float row_exponentials_wide(float *row, int64_t tokens, float top) {
     const __m512 shift = _mm512_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
-    for (j = 0; j + 16 <= tokens; j += 16) {
+    int64_t j = 0;
+    for (; j + 16 <= tokens; j += 16) {
         const __m512 e = exp_16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
         _mm512_storeu_ps(row + j, e);
         total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
@@ -202,11 +199,23 @@ WIDE static void softmax_row_wide(float *row, int64_t tokens, const float *tail_
         row[j] = expf(row[j] - top);
         sum += row[j];
     }
-    const float inverse = 1.0f / sum;
-    const __m512 vector_inverse = _mm512_set1_ps(inverse);
-    for (j = 0; j + 16 <= tokens; j += 16)
-        _mm512_storeu_ps(row + j, _mm512_mul_ps(_mm512_loadu_ps(row + j), vector_inverse));
-    for (; j < tokens; j++) row[j] *= inverse;
+    return sum;
+}
+
+/* A tile of scores just computed (every row of a head, `count` columns from column `first`; rows `tokens` floats
+ * apart): the question's own columns among them get tail_mask added, and each row's largest score in the tile is
+ * written to maxima[row], while the tile is still in the nearest cache (the softmax then needs no pass of its own to
+ * find each row's largest). */
+static void finish_score_tile(float *scores, int64_t rows, int64_t tokens, int64_t first, int64_t count,
+                              const float *tail_mask, int64_t question, float *maxima) {
+    const int64_t question_start = tokens - question;  /* the question's first own column */
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * tokens;
+        const float *mask = tail_mask + (r % question) * question;  /* row r is the question's token r % question */
+        for (int64_t c = first > question_start ? first : question_start; c < first + count; c++)
+            row[c - first] += mask[c - question_start];
+        maxima[r] = row_maximum(row, count);
+    }
 }
 
 /* (rows, depth) zero-padded to whole blocks of ROW_BLOCK rows, times `scale`; NULL when memory runs out. */
@@ -253,8 +262,12 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
     float *scaled[kv_heads];  /* per KV head, its rows scaled and padded */
     int missing = 0;
     for (int64_t h = 0; h < kv_heads; h++) missing |= !(scaled[h] = padded_rows(query + h * rows * head_dim, rows, head_dim, scale));
-    if (missing) {
+    float *tile_maxima = malloc(sizeof(float) * (size_t)(kv_heads * tiles * rows));  /* (kv_heads, tiles, rows) */
+    float *inverse_sums = malloc(sizeof(float) * (size_t)(kv_heads * rows));  /* per row, 1 / its sum of weights */
+    if (missing || !tile_maxima || !inverse_sums) {
         for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]);
+        free(tile_maxima);
+        free(inverse_sums);
         return -1;
     }
 #pragma omp parallel num_threads(threads)
@@ -270,24 +283,30 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
             else
                 transposed_tile(tile_keys, count, head_dim, tile, KEY_TILE);
             rows_times_tile(scaled[h], rows, head_dim, tile, count, weights + h * rows * tokens + first, tokens, wide);
+            finish_score_tile(weights + h * rows * tokens + first, rows, tokens, first, count, tail_mask, question,
+                              tile_maxima + task * rows);
         }
-        /* the softmax, row by row; with window sums asked for, a query head's rows in order in one task, each row
-         * added to its head's sums while it is still in the nearest cache (one pass less over the weights than
-         * summing them afterwards) */
+        /* the softmax's numerators, row by row, each row's largest from its tiles' maxima; with window sums asked
+         * for, a query head's rows in order in one task, each row's softmax (numerators times 1 / their sum) added to
+         * its head's sums while the row is still in the nearest cache */
         const int64_t task_rows = window_sums ? question : 1;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * rows / task_rows; task++)
             for (int64_t r = task * task_rows; r < (task + 1) * task_rows; r++) {
                 float *row = weights + r * tokens;
-                const int64_t i = r % question;  /* the question's token */
-                if (wide)
-                    softmax_row_wide(row, tokens, tail_mask + i * question, question);
-                else
-                    softmax_row(row, tokens, tail_mask + i * question, question);
+                const int64_t h = r / rows, i = r % question;  /* the KV head; the question's token */
+                float top = -INFINITY;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const float tile_top = tile_maxima[(h * tiles + t) * rows + r % rows];
+                    top = tile_top > top ? tile_top : top;
+                }
+                const float inverse = 1.0f / (wide ? row_exponentials_wide(row, tokens, top)
+                                                   : row_exponentials(row, tokens, top));
+                inverse_sums[r] = inverse;
                 if (window_sums && i >= question - window) {
                     float *sums = window_sums + r / question * tokens;
-                    if (i == question - window) memcpy(sums, row, sizeof(float) * (size_t)tokens);
-                    else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j];
+                    if (i == question - window) for (int64_t j = 0; j < tokens; j++) sums[j] = row[j] * inverse;
+                    else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j] * inverse;  /* multiplied, then added */
                 }
             }
         /* values: a group of row blocks of one head, every channel. With AVX-512, runs of VALUE_RUN tokens at a
@@ -326,8 +345,14 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
                     }
                 }
         }
+        /* each row's weighted sum divided by its sum of weights: the softmax's */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < kv_heads * rows; r++)
+            for (int64_t c = 0; c < head_dim; c++) out[r * head_dim + c] *= inverse_sums[r];
     }
     for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]);
+    free(tile_maxima);
+    free(inverse_sums);
     return 0;
 }
 

@@ -69,18 +69,22 @@ static inline float lane_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
-/* One row of scores in place: the last `question` columns get tail_mask added (question 0: none), then the
- * softmax. */
-static inline void softmax_row(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
-    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
+/* The largest of row[0..count): vectors of 8 then the rest (a maximum is exact: any order gives the same). */
+static inline float row_maximum(const float *row, int64_t count) {
     __m256 high = _mm256_set1_ps(-INFINITY);
     int64_t j = 0;
-    for (; j + 8 <= tokens; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
+    for (; j + 8 <= count; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
     float top = largest_lane(high);
-    for (; j < tokens; j++) top = row[j] > top ? row[j] : top;
+    for (; j < count; j++) top = row[j] > top ? row[j] : top;
+    return top;
+}
+
+/* In place: row[j] = e^(row[j] - top); returns their sum (8 lanes, then the rest in order). */
+static inline float row_exponentials(float *row, int64_t tokens, float top) {
     const __m256 shift = _mm256_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
-    for (j = 0; j + 8 <= tokens; j += 8) {
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) {
         const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
         _mm256_storeu_ps(row + j, e);
         total = _mm256_add_ps(total, e);
@@ -90,9 +94,17 @@ static inline void softmax_row(float *row, int64_t tokens, const float *tail_mas
         row[j] = expf(row[j] - top);
         sum += row[j];
     }
-    const float inverse = 1.0f / sum;
+    return sum;
+}
+
+/* One row of scores in place: the last `question` columns get tail_mask added (question 0: none), then the
+ * softmax. */
+static inline void softmax_row(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
+    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
+    const float inverse = 1.0f / row_exponentials(row, tokens, row_maximum(row, tokens));
     const __m256 vector_inverse = _mm256_set1_ps(inverse);
-    for (j = 0; j + 8 <= tokens; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), vector_inverse));
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), vector_inverse));
     for (; j < tokens; j++) row[j] *= inverse;
 }
 
