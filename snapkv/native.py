@@ -98,8 +98,8 @@ def _load() -> ctypes.CDLL:
                                            ctypes.c_int]
     library.decode_token.argtypes = [pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int]  # snapkv.native_decode
     library.window_scores.argtypes = [pointer, size, size, size, size, size, size, size, ctypes.c_int, ctypes.c_int,
-                                      pointer]  # snapkv.scoring: a cut's scores, positions and rows
-    library.top_positions.argtypes = [pointer, size, size, size, size, pointer]
+                                      pointer, ctypes.c_int]  # snapkv.scoring: a cut's scores, positions and rows
+    library.top_positions.argtypes = [pointer, size, size, size, size, pointer, ctypes.c_int]
     library.gather_rows.argtypes = [pointer, size, size, size, size, pointer, size, pointer, ctypes.c_int]
     library.mask_positions.argtypes = [pointer, size, size, size, pointer, size]  # snapkv.cachefile, snapkv.quantize
     library.mask_positions.restype = size

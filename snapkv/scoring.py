@@ -92,7 +92,7 @@ def kept_indices(prefix_scores: torch.Tensor, prefix_keep: int, window: int) -> 
         scores = prefix_scores.contiguous()
         indices = torch.empty(batch, kv_heads, min(prefix_keep, n_prefix) + window, dtype=torch.int64)
         if native.kernels().top_positions(scores.data_ptr(), batch * kv_heads, n_prefix, prefix_keep, window,
-                                          indices.data_ptr()) == 0:
+                                          indices.data_ptr(), torch.get_num_threads()) == 0:
             return indices
     best = prefix_scores.topk(min(prefix_keep, n_prefix), dim=-1).indices
     window_positions = torch.arange(n_prefix, n_prefix + window, device=prefix_scores.device)
@@ -133,7 +133,7 @@ def pooled_window_scores(weights: torch.Tensor, kernel: int, pooling: str) -> to
         scores = torch.empty(1, kv_heads, earlier)  # snapkv/kernels/window_cut.c: one pass over the weights
         if native.kernels().window_scores(weights.data_ptr(), kv_heads, group, w, earlier, weights.stride(1),
                                           weights.stride(2), weights.stride(3), kernel, int(pooling == "max"),
-                                          scores.data_ptr()) == 0:
+                                          scores.data_ptr(), torch.get_num_threads()) == 0:
             return scores
     return mean_over_query_groups(pool_scores(summed_over_window(weights), kernel, pooling), kv_heads)
 

@@ -149,10 +149,11 @@ def _torch_and_native(monkeypatch, compute):
 
 
 @pytest.mark.parametrize("pooling", ["max", "avg"])
-@pytest.mark.parametrize("kernel", [1, 3, 15])
+@pytest.mark.parametrize("kernel", [1, 3, 5, 7, 9, 15, 17])
 def test_the_c_cut_scores_as_pytorch_does(monkeypatch, pooling, kernel):
     """snapkv/kernels/window_cut.c's scores from a strided view of the window's weights (the last rows of each query
-    head, the columns before the window), as SnapKV.score_weights computes them in PyTorch, within fp32 rounding."""
+    head, the columns before the window), as SnapKV.score_weights computes them in PyTorch, within fp32 rounding
+    (kernels whose max pooling takes two overlapping runs of a power of two, or one exactly)."""
     torch.manual_seed(3)
     weights = torch.randn(1, 3, 2, 9, 300).softmax(dim=-1)  # (batch, kv_heads, group, question rows, n)
     window = weights[..., -6:, : 300 - 6]
