@@ -24,6 +24,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from . import native
 from .block_weights import FUSIBLE, fused_outputs
 from .compress import CompressionPlan, capturing, cut_layer
 
@@ -100,6 +101,23 @@ def _question_mask(rows: int, cached: int) -> torch.Tensor:
     return mask
 
 
+def _with_rope(projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A question's q or k projection (1, q, heads * head_dim) -> (1, heads, q, head_dim) with RoPE, as
+    apply_rotary_pos_emb computes it: in one C call in fp32 on CPU (snapkv/kernels/decode_step.c's rope_rows, the
+    same bits, written in the layout attention reads), else PyTorch's ops. cos, sin: (1, q, head_dim)."""
+    _, rows, width = projected.shape
+    if (projected.dtype == cos.dtype == sin.dtype == torch.float32 and projected.device.type == "cpu"
+            and native.unavailable_reason() is None):
+        x, cos, sin = projected.contiguous(), cos.contiguous(), sin.contiguous()
+        out = torch.empty(1, width // head_dim, rows, head_dim)
+        if native.kernels().rope_rows(x.data_ptr(), rows, width // head_dim, head_dim, cos.data_ptr(), sin.data_ptr(),
+                                      out.data_ptr()) == 0:
+            return out
+    x = projected.view(1, rows, -1, head_dim).transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, q, head_dim): over the heads
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
 @torch.inference_mode()
 def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicCache,
                   plan: CompressionPlan | None) -> torch.Tensor:
@@ -110,7 +128,6 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
     rows = question_ids.shape[0]
     hidden = inner.embed_tokens(question_ids.unsqueeze(0))  # (1, q, hidden)
     cos, sin = inner.rotary_emb(hidden, torch.arange(start, start + rows).unsqueeze(0))  # (1, q, head_dim) each
-    over_heads = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, q, head_dim)
     mask = _question_mask(rows, cache.get_seq_length())  # one mask for every layer, as transformers makes it
     with capturing(model, plan.window) if plan is not None else nullcontext(()) as cut_modules:
         for layer in inner.layers:
@@ -119,9 +136,8 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
             shape = (1, rows, -1, attention.head_dim)
             # (1, heads, q, head_dim) and (1, kv_heads, q, head_dim)
             projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
-            query, key, value = (part.view(shape).transpose(1, 2) for part in projected)
-            query = (query * over_heads[0]) + (_rotate_half(query) * over_heads[1])
-            key = (key * over_heads[0]) + (_rotate_half(key) * over_heads[1])
+            query, key = (_with_rope(part, cos, sin, attention.head_dim) for part in projected[:2])
+            value = projected[2].view(shape).transpose(1, 2)
             keys, values = cache.update(key, value, attention.layer_idx)
             output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
             if attention in cut_modules:

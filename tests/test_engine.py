@@ -665,6 +665,26 @@ def test_lean_decode_step_is_the_models_forward_to_the_bit(name, dtype, monkeypa
         assert len(steps) == len(tokens) - 1  # every token after the first (which the question pass gives)
 
 
+@pytest.mark.parametrize("rows, heads, head_dim", [(1, 1, 2), (7, 3, 16), (25, 9, 64), (4, 2, 80)])
+def test_a_questions_rope_in_c_is_transformers_to_the_bit(rows, heads, head_dim, monkeypatch):
+    """lean_decode's RoPE for a question's q or k rows: in C (decode_step.c's rope_rows, written head-major) the same
+    bits as transformers' apply_rotary_pos_emb over the (1, heads, q, head_dim) view; PyTorch's ops without kernels."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from snapkv.lean_decode import _with_rope
+
+    torch.manual_seed(rows)
+    projected = torch.randn(1, rows, heads * head_dim) * 30
+    cos, sin = torch.randn(1, rows, head_dim), torch.randn(1, rows, head_dim)
+    view = projected.view(1, rows, heads, head_dim).transpose(1, 2)
+    expected, _ = apply_rotary_pos_emb(view, view, cos, sin)
+    found = _with_rope(projected, cos, sin, head_dim)
+    assert found.shape == (1, heads, rows, head_dim) and found.is_contiguous() == (native.unavailable_reason() is None)
+    assert torch.equal(found, expected)
+    monkeypatch.setenv(native.DISABLE, "0")
+    assert torch.equal(_with_rope(projected, cos, sin, head_dim), expected)
+
+
 @pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2"])

@@ -77,13 +77,31 @@ static void rms_norm(const float *x, const float *weight, int64_t n, float eps, 
 }
 
 /* v (head_dim) in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[half:], v[:half]). */
-static void rotate(float *v, const float *cos, const float *sin, int64_t head_dim) {
+static void rotate_into(const float *v, const float *cos, const float *sin, int64_t head_dim, float *out) {
     const int64_t half = head_dim / 2;
     for (int64_t i = 0; i < half; i++) {
         const float first = v[i], second = v[i + half];
-        v[i] = first * cos[i] - second * sin[i];
-        v[i + half] = second * cos[i + half] + first * sin[i + half];
+        out[i] = first * cos[i] - second * sin[i];
+        out[i + half] = second * cos[i + half] + first * sin[i + half];
     }
+}
+
+static void rotate(float *v, const float *cos, const float *sin, int64_t head_dim) {
+    rotate_into(v, cos, sin, head_dim, v);
+}
+
+/* RoPE for a question's rows of one projection, as transformers' apply_rotary_pos_emb computes it (each product
+ * rounded, then the sum: with rotate_half's negation, the same bits): x (rows, heads, head_dim), the projection's
+ * output; cos, sin (rows, head_dim); out (heads, rows, head_dim), the layout attention reads. Returns 0, or -1 for an
+ * odd head_dim. */
+int rope_rows(const float *x, int64_t rows, int64_t heads, int64_t head_dim, const float *cos, const float *sin,
+              float *out) {
+    if (head_dim < 2 || head_dim % 2) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++)
+            rotate_into(x + (r * heads + h) * head_dim, cos + r * head_dim, sin + r * head_dim, head_dim,
+                        out + (h * rows + r) * head_dim);
+    return 0;
 }
 
 /* [sum(a0), ..., sum(a7)]: the lanes of each of eight vectors added. */
