@@ -120,29 +120,38 @@ def _with_rope(projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 
 @torch.inference_mode()
 def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicCache,
-                  plan: CompressionPlan | None) -> torch.Tensor:
+                  plan: CompressionPlan | None, layers=None) -> torch.Tensor:
     """The question's tokens (q,) at positions start.. appended to `cache`, each compressible layer then cut by `plan`
-    (None: none is) as snapkv.compress.compressing cuts it; the last token's logits (vocab,)."""
+    (None: none is) as snapkv.compress.compressing cuts it; the last token's logits (vocab,).
+
+    layers: a snapkv.native_decode.QuestionLayers: each layer's parts before and after its attention in C (the same
+    formulas summed in another order: logits within rounding of these PyTorch ops'), or None: PyTorch's ops."""
     inner = model.model
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     rows = question_ids.shape[0]
-    hidden = inner.embed_tokens(question_ids.unsqueeze(0))  # (1, q, hidden)
+    hidden = inner.embed_tokens(question_ids.unsqueeze(0)).contiguous()  # (1, q, hidden): its own, written in place
     cos, sin = inner.rotary_emb(hidden, torch.arange(start, start + rows).unsqueeze(0))  # (1, q, head_dim) each
     mask = _question_mask(rows, cache.get_seq_length())  # one mask for every layer, as transformers makes it
     with capturing(model, plan.window) if plan is not None else nullcontext(()) as cut_modules:
-        for layer in inner.layers:
+        for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            normed = rms_norm(layer.input_layernorm, hidden)
-            shape = (1, rows, -1, attention.head_dim)
             # (1, heads, q, head_dim) and (1, kv_heads, q, head_dim)
-            projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
-            query, key = (_with_rope(part, cos, sin, attention.head_dim) for part in projected[:2])
-            value = projected[2].view(shape).transpose(1, 2)
+            if layers is not None:
+                normed, query, key, value = layers.before(index, hidden, cos, sin)
+            else:
+                normed = rms_norm(layer.input_layernorm, hidden)
+                projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
+                query, key = (_with_rope(part, cos, sin, attention.head_dim) for part in projected[:2])
+                value = projected[2].view(1, rows, -1, attention.head_dim).transpose(1, 2)
             keys, values = cache.update(key, value, attention.layer_idx)
             output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
             if attention in cut_modules:
                 cut_layer(plan, attention, normed, cache, (cos, sin))
-            hidden = hidden + attention.o_proj(output.reshape(1, rows, -1).contiguous())
+            attended = output.reshape(1, rows, -1)  # (1, q, heads * head_dim)
+            if layers is not None:
+                layers.after(index, attended, hidden)  # in place
+                continue
+            hidden = hidden + attention.o_proj(attended.contiguous())
             normed = rms_norm(layer.post_attention_layernorm, hidden)
             mlp = layer.mlp
             gate, up = fused_outputs(mlp, GATE_UP, normed) or [getattr(mlp, name)(normed) for name in GATE_UP]

@@ -98,6 +98,9 @@ def _load() -> ctypes.CDLL:
                                            ctypes.c_int]
     library.decode_token.argtypes = [pointer, pointer, size, pointer, pointer, pointer, ctypes.c_int]  # snapkv.native_decode
     library.rope_rows.argtypes = [pointer, size, size, size, pointer, pointer, pointer]  # snapkv.lean_decode
+    library.question_before_attention.argtypes = [pointer, pointer, size, pointer, pointer, pointer, pointer, pointer,
+                                                   pointer, pointer, ctypes.c_int]  # snapkv.native_decode
+    library.question_after_attention.argtypes = [pointer, pointer, size, pointer, pointer, ctypes.c_int]
     library.window_scores.argtypes = [pointer, size, size, size, size, size, size, size, ctypes.c_int, ctypes.c_int,
                                       pointer, ctypes.c_int]  # snapkv.scoring: a cut's scores, positions and rows
     library.top_positions.argtypes = [pointer, size, size, size, size, pointer, ctypes.c_int]
@@ -109,7 +112,8 @@ def _load() -> ctypes.CDLL:
     library.wide_vectors.restype = ctypes.c_int
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
                      library.linear_rows, library.linear_rows_blocks, library.decode_token, library.window_scores,
-                     library.top_positions, library.gather_rows, library.part_rows, library.rope_rows):
+                     library.top_positions, library.gather_rows, library.part_rows, library.rope_rows,
+                     library.question_before_attention, library.question_after_attention):
         function.restype = ctypes.c_int
     return library
 
@@ -119,8 +123,8 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 def kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
-    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, rope_rows), or
-    NativeUnavailable. Built and loaded once per process."""
+    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, rope_rows,
+    question_before_attention, question_after_attention), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

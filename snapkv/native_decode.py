@@ -118,15 +118,15 @@ def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-@torch.inference_mode()
-def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
-    """A NativeDecoder for `steps` tokens from `first_position` over `cache` (its layers presized), or None where
-    the model or the cache is not one it takes: then the lean step decodes."""
-    if native.unavailable_reason() is not None or not lean_decode.qualifies(model, cache) or steps < 1:
+def _model_layers(model) -> tuple[_DecoderShape, list[_DecoderLayer]] | None:
+    """The C view of every decoder layer (norms and blocks; no cache buffers yet) and the model's shape, or None where
+    the model is not one the C layers take (not plain Llama-family fp32 on CPU, projections not fused 4/8-bit
+    blocks without biases, norms of other dtypes or epsilons, a head size not a multiple of 8)."""
+    if native.unavailable_reason() is not None:
         return None
     config, inner = model.config, model.model
     decoder_layers = inner.layers
-    if len(decoder_layers) != len(cache.layers) or inner.embed_tokens.weight.dtype != torch.float32:
+    if inner.embed_tokens.weight.dtype != torch.float32:
         return None
     attention = decoder_layers[0].self_attn
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -134,23 +134,84 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
     if head_dim % 8 or heads % kv_heads:
         return None
     layers = []
-    for decoder_layer, cache_layer in zip(decoder_layers, cache.layers):
+    for decoder_layer in decoder_layers:
         attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
         qkv, gate_up = fused_blocks(attention, lean_decode.QKV), fused_blocks(mlp, lean_decode.GATE_UP)
         o, down = _plain_blocks(attention.o_proj), _plain_blocks(mlp.down_proj)
         norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
         if (None in (qkv, gate_up, o, down) or not all(map(_contiguous, (qkv, gate_up, o, down)))
-                or not _buffers_fit(cache_layer, kv_heads, head_dim)
                 or any(norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms)
                 or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
                 or norms[1].variance_epsilon != norms[0].variance_epsilon):
             return None
-        layers.append(_DecoderLayer(
-            norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
-            _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down),
-            *(buffer.data_ptr() for buffer in cache_layer.buffers), cache_layer.buffers[0].shape[2],
-            cache_layer.filled))
+        layers.append(_DecoderLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+                                    _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down)))
     shape = _DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
                           decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
+    return shape, layers
+
+
+@torch.inference_mode()
+def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
+    """A NativeDecoder for `steps` tokens from `first_position` over `cache` (its layers presized), or None where
+    the model or the cache is not one it takes: then the lean step decodes."""
+    if native.unavailable_reason() is not None or not lean_decode.qualifies(model, cache) or steps < 1:
+        return None
+    config = model.config
+    if len(model.model.layers) != len(cache.layers):
+        return None
+    found = _model_layers(model)
+    if found is None:
+        return None
+    shape, layers = found
+    for layer, cache_layer in zip(layers, cache.layers):
+        if not _buffers_fit(cache_layer, config.num_key_value_heads, shape.head_dim):
+            return None
+        layer.keys, layer.values = (buffer.data_ptr() for buffer in cache_layer.buffers)
+        layer.capacity, layer.filled = cache_layer.buffers[0].shape[2], cache_layer.filled
     cos, sin = _rotary(model, first_position, steps)
     return NativeDecoder(model, cache, layers, shape, cos, sin, first_position)
+
+
+class QuestionLayers:
+    """A question's rows through each layer's parts before and after its attention in C
+    (snapkv/kernels/decode_step.c's question_before_attention / question_after_attention: norms, the fused
+    products, RoPE and the SiLU as decode_token computes them), for snapkv.lean_decode.question_pass; build with
+    question_layers. The attention, the cache write and the cut stay the pass's own."""
+
+    def __init__(self, shape: _DecoderShape, layers: list[_DecoderLayer]) -> None:
+        self._shape = shape
+        self._layers = layers
+
+    def before(self, index: int, hidden: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden (1, q, hidden) fp32 contiguous; cos, sin (1, q, head_dim) -> normed (1, q, hidden), query
+        (1, heads, q, head_dim) with RoPE, key (1, kv_heads, q, head_dim) with RoPE, value (1, kv_heads, q,
+        head_dim)."""
+        shape, rows = self._shape, hidden.shape[1]
+        normed = torch.empty(1, rows, shape.hidden)
+        query = torch.empty(1, shape.heads, rows, shape.head_dim)
+        key, value = (torch.empty(1, shape.kv_heads, rows, shape.head_dim) for _ in range(2))
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if native.kernels().question_before_attention(
+                ctypes.byref(shape), ctypes.byref(self._layers[index]), rows, hidden.data_ptr(), cos.data_ptr(),
+                sin.data_ptr(), normed.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
+                torch.get_num_threads()) != 0:
+            raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
+        return normed, query, key, value
+
+    def after(self, index: int, attended: torch.Tensor, hidden: torch.Tensor) -> None:
+        """hidden (1, q, hidden) in place: plus the attention's projection, then plus the MLP's output; attended
+        (1, q, heads * head_dim)."""
+        attended = attended.contiguous()
+        if native.kernels().question_after_attention(
+                ctypes.byref(self._shape), ctypes.byref(self._layers[index]), hidden.shape[1], attended.data_ptr(),
+                hidden.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
+
+
+def question_layers(model) -> QuestionLayers | None:
+    """QuestionLayers for `model`, or None where its layers are not ones the C parts take (lean_decode's
+    question_pass then computes them with PyTorch's ops)."""
+    found = _model_layers(model)
+    return QuestionLayers(*found) if found is not None else None

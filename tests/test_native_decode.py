@@ -141,3 +141,41 @@ def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch)
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is not None
     monkeypatch.setenv(native.DISABLE, "0")
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is None
+
+
+@pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),
+                                   dict(num_attention_heads=8, num_key_value_heads=1)])
+def test_native_question_layers_are_the_lean_pass_within_rounding(heads, monkeypatch):
+    """A question's pass with each layer's parts around its attention in C (native_decode.QuestionLayers: norms,
+    fused products, RoPE, SiLU) against the same pass in PyTorch's ops: logits and the cached keys and values within
+    fp32 rounding, the same positions kept by the cut; answer() takes the C parts by default, and its tokens are
+    those of native=False."""
+    from snapkv.compress import CompressionPlan
+
+    model = on_blocks(**heads)
+    layers = native_decode.question_layers(model)
+    assert layers is not None
+    cache = prefill(model, ids(PROMPT, 1), None)
+    question = ids(QUESTION, 2)
+    found = {}
+    for label, parts in (("lean", None), ("native", layers)):
+        working = cache.to_dynamic_cache(model.config)
+        plan = CompressionPlan(Cut(64, 8), window=QUESTION)
+        logits = lean_decode.question_pass(model, question, PROMPT, working, plan, parts)
+        found[label] = (logits, plan.kept, working)
+    (lean_logits, lean_kept, lean_cache), (logits, kept, native_cache) = found.values()
+    assert torch.allclose(logits, lean_logits, rtol=1e-4, atol=1e-5 * lean_logits.abs().max())
+    assert kept.keys() == lean_kept.keys() and all(torch.equal(kept[i], lean_kept[i]) for i in kept)
+    for lean_layer, native_layer in zip(lean_cache.layers, native_cache.layers):
+        assert native_layer.keys.shape == lean_layer.keys.shape == (1, heads["num_key_value_heads"],
+                                                                    kept[0].shape[-1], 64 // heads["num_attention_heads"])
+        assert torch.allclose(native_layer.keys, lean_layer.keys, atol=1e-5)
+        assert torch.allclose(native_layer.values, lean_layer.values, atol=1e-5)
+    calls = []
+    before = native_decode.QuestionLayers.before
+    monkeypatch.setattr(native_decode.QuestionLayers, "before", lambda self, *a: calls.append(1) or before(self, *a))
+    for cut in (None, Cut(64, 8)):
+        calls.clear()
+        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8))
+        assert len(calls) == len(model.model.layers)
+        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=8, native=False)) == tokens

@@ -51,6 +51,14 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
 int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
                 float *y, int threads);
 
+int linear_rows_blocks(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes, const float *scale,
+                       const float *minimum, int64_t n, float *y, int threads);
+
+/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T for a question's rows: snapkv/kernels/few_rows.c's kernel. */
+static int rows_product(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
+    return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
+}
+
 static int product(const block_matrix *m, const float *x, float *y, int threads) {
     if (m->bits == 4) return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
     if (m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
@@ -286,6 +294,61 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
         if ((status = product(&layer->down, activation, added, threads))) break;
         add_into(hidden, added, n);
     }
+    free(scratch);
+    return status;
+}
+
+/* A question's rows through the part of a layer before its attention, as decode_token computes one token's:
+ * hidden (rows, shape->hidden) in; normed = RMSNorm(hidden) (rows, hidden) out; q, k, v = normed @ [Wq; Wk; Wv]^T
+ * with RoPE on q and k at each row's position (cos, sin: (rows, head_dim)), out as query (heads, rows, head_dim),
+ * key and value (kv_heads, rows, head_dim): the layouts the attention and the cache take (query not yet scaled).
+ * Returns 0, or -1 (a matrix of another shape or form, no memory). */
+int question_before_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows, const float *hidden,
+                              const float *cos, const float *sin, float *normed, float *query, float *key,
+                              float *value, int threads) {
+    const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads, n = shape->hidden;
+    const int64_t projected = (heads + 2 * kv_heads) * d;
+    if (d % 8 || kv_heads < 1 || heads % kv_heads || rows < 1 || !fits(&layer->qkv, n, projected)) return -1;
+    float *wide = malloc(sizeof(float) * (size_t)(rows * projected));  /* (rows, q + k + v) */
+    if (!wide) return -1;
+    for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
+    const int status = rows_product(&layer->qkv, normed, rows, wide, threads);
+    for (int64_t r = 0; r < rows && status == 0; r++) {
+        const float *row = wide + r * projected, *row_cos = cos + r * d, *row_sin = sin + r * d;
+        for (int64_t h = 0; h < heads; h++) rotate_into(row + h * d, row_cos, row_sin, d, query + (h * rows + r) * d);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate_into(row + (heads + h) * d, row_cos, row_sin, d, key + (h * rows + r) * d);
+            memcpy(value + (h * rows + r) * d, row + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
+        }
+    }
+    free(wide);
+    return status;
+}
+
+/* The part after it: hidden += attended @ Wo^T; then hidden += (silu(gate) * up) @ Wdown^T with gate, up =
+ * RMSNorm(hidden) @ [Wgate; Wup]^T. attended (rows, heads * head_dim); hidden (rows, shape->hidden) in and out.
+ * Returns 0, or -1 (a matrix of another shape or form, no memory; hidden then as it came, or past the attention's
+ * sum only). */
+int question_after_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
+                             const float *attended, float *hidden, int threads) {
+    const int64_t n = shape->hidden, inner = shape->intermediate, width = shape->heads * shape->head_dim;
+    if (rows < 1 || !fits(&layer->o, width, n) || !fits(&layer->gate_up, n, 2 * inner) || !fits(&layer->down, inner, n))
+        return -1;
+    float *scratch = malloc(sizeof(float) * (size_t)(rows * (2 * n + 3 * inner)));
+    if (!scratch) return -1;
+    float *added = scratch, *normed = added + rows * n, *gate_up = normed + rows * n, *activation = gate_up + rows * 2 * inner;
+    int status = rows_product(&layer->o, attended, rows, added, threads);
+    if (status == 0) {
+        add_into(hidden, added, rows * n);
+        for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->post_norm, n, shape->norm_eps, normed + r * n);
+        status = rows_product(&layer->gate_up, normed, rows, gate_up, threads);
+    }
+    if (status == 0) {
+        for (int64_t r = 0; r < rows; r++)  /* each row's gate, then its up */
+            silu_times(gate_up + r * 2 * inner, gate_up + r * 2 * inner + inner, inner, activation + r * inner);
+        status = rows_product(&layer->down, activation, rows, added, threads);
+    }
+    if (status == 0) add_into(hidden, added, rows * n);
     free(scratch);
     return status;
 }
