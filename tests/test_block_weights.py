@@ -334,38 +334,41 @@ def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
     assert weight_bytes_per_token(model) < fp32_bytes
     cache = prefill(model, torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4)), None)
     calls = []
+
+    def each_way(run) -> dict:
+        """run(a working cache) with the q/k/v and gate/up blocks fused, then taken apart: what it gave, and the kernel
+        calls it made, by label."""
+        found = {}
+        for label in ("fused", "one by one"):
+            if label == "one by one":
+                for module in model.modules():
+                    module.__dict__.pop(block_weights.FUSED, None)
+            calls.clear()
+            found[label] = run(cache.to_dynamic_cache(model.config))
+            found[label + " calls"] = len(calls)
+        return found
+
     real = block_weights.blockwise_matmul
     monkeypatch.setattr(block_weights, "blockwise_matmul", lambda *a: calls.append(a[2]) or real(*a))
-    found = {}
-    for label in ("fused", "one by one"):
-        if label == "one by one":
-            for module in model.modules():
-                module.__dict__.pop(block_weights.FUSED, None)
-        calls.clear()
-        working = cache.to_dynamic_cache(model.config)
-        found[label] = lean_decode.decode_step(model, 7, 40, working)
-        found[label + " calls"] = len(calls)
+    found = each_way(lambda working: lean_decode.decode_step(model, 7, 40, working))
     assert torch.equal(found["fused"], found["one by one"])
     assert found["fused calls"] == 4 * len(layers) + 1 and found["one by one calls"] == 7 * len(layers) + 1
     # a question's rows: the same in one few-rows kernel call per group, through the lean question pass
     from snapkv.compress import CompressionPlan
     from snapkv.config import Cut
 
-    use_block_weights(model)
+    use_block_weights(model)  # fused again
     question = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(5))
     real_rows = block_weights.few_rows_blocks_matmul
     monkeypatch.setattr(block_weights, "few_rows_blocks_matmul", lambda *a: calls.append(a[2]) or real_rows(*a))
-    for label in ("fused", "one by one"):
-        if label == "one by one":
-            for module in model.modules():
-                module.__dict__.pop(block_weights.FUSED, None)
-        calls.clear()
-        working = cache.to_dynamic_cache(model.config)
+
+    def question_pass(working):
         plan = CompressionPlan(Cut(16, 4), window=9)
-        found[label] = lean_decode.question_pass(model, question, 40, working, plan)
-        found[label + " kept"] = plan.kept
-        found[label + " calls"] = len(calls)
-    assert torch.equal(found["fused"], found["one by one"])
-    assert all(torch.equal(found["fused kept"][i], found["one by one kept"][i]) for i in range(len(layers)))
+        return lean_decode.question_pass(model, question, 40, working, plan), plan.kept
+
+    found = each_way(question_pass)
+    (fused, fused_kept), (apart, apart_kept) = found["fused"], found["one by one"]
+    assert torch.equal(fused, apart)
+    assert all(torch.equal(fused_kept[i], apart_kept[i]) for i in range(len(layers)))
     # per layer one more call each way: the cut scores the window's queries again (q_proj), as sdpa kept no weights
     assert found["fused calls"] == 5 * len(layers) + 1 and found["one by one calls"] == 8 * len(layers) + 1
