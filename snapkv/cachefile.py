@@ -511,9 +511,9 @@ def load_cache(path: Path, *, identity: dict | None = None,
     device:   one device for every layer, or one per layer (LoadedModel.layer_devices): a file saved
               from any layout loads into any other.
     dtype:    the compute dtype to restore keys and values in (None: as stored; float32 for fewer bits).
-    verify:   check the payload digest (reads every byte; skip only for very large trusted files).
+    verify:   check the payload's checksum or digest (reads every byte; skip only for very large trusted files).
     split:    a dict that receives where the time went: read_seconds (header and tensors from disk),
-              digest_seconds, restore_seconds (checks, dequantizing, placing on the devices).
+              digest_seconds (the checksum or digest), restore_seconds (checks, dequantizing, placing on the devices).
     question_room: for a file of fewer bits than 16 whose layers stay on the CPU in the dtype they are restored
               in: load it deferred (snapkv.deferred: the codes are kept, and each question's pass restores the
               layers one at a time), with this many rows free after each head's positions for the question's

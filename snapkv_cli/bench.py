@@ -151,5 +151,5 @@ def bench(
         if follow.load_split:
             split = follow.load_split
             stdout_console().print(
-                f"  load = read {split['read_seconds']:.3f} s + digest {split['digest_seconds']:.3f} s + restore "
+                f"  load = read {split['read_seconds']:.3f} s + payload check {split['digest_seconds']:.3f} s + restore "
                 f"(checks, dequantize, place) {split['restore_seconds']:.3f} s; first token = the question's pass")
