@@ -54,15 +54,18 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
 int linear_rows_blocks(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes, const float *scale,
                        const float *minimum, int64_t n, float *y, int threads);
 
-/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T for a question's rows: snapkv/kernels/few_rows.c's kernel. */
-static int rows_product(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
-    return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
-}
-
+/* y (m->outputs) = x (m->inputs) @ W^T for one row: the block kernel (snapkv/kernels/blockwise_matmul.c). */
 static int product(const block_matrix *m, const float *x, float *y, int threads) {
     if (m->bits == 4) return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
     if (m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
     return -1;
+}
+
+/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: one row by product(), a question's rows by
+ * snapkv/kernels/few_rows.c's kernel. */
+static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
+    if (rows == 1) return product(m, x, y, threads);
+    return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
 }
 
 /* Whether m multiplies `inputs` values into `outputs`, in a form product() takes. */
@@ -245,6 +248,29 @@ static void add_into(float *hidden, const float *added, int64_t n) {
     for (int64_t j = 0; j < n; j++) hidden[j] += added[j];
 }
 
+/* The part of a layer after its attention, for `rows` rows: hidden += attended @ Wo^T; then hidden +=
+ * (silu(gate) * up) @ Wdown^T with gate, up = RMSNorm(hidden) @ [Wgate; Wup]^T. attended (rows, heads * head_dim);
+ * hidden (rows, shape->hidden) in and out; added and normed (rows, hidden), gate_up (rows, 2 * intermediate) and
+ * activation (rows, intermediate) its scratch. Returns 0, or -1 (no memory; hidden then as it came, or past the
+ * attention's sum only). */
+static int after_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows, const float *attended,
+                           float *hidden, float *added, float *normed, float *gate_up, float *activation, int threads) {
+    const int64_t n = shape->hidden, inner = shape->intermediate;
+    int status = products(&layer->o, attended, rows, added, threads);
+    if (status == 0) {
+        add_into(hidden, added, rows * n);
+        for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->post_norm, n, shape->norm_eps, normed + r * n);
+        status = products(&layer->gate_up, normed, rows, gate_up, threads);
+    }
+    if (status == 0) {
+        for (int64_t r = 0; r < rows; r++)  /* each row's gate, then its up */
+            silu_times(gate_up + r * 2 * inner, gate_up + r * 2 * inner + inner, inner, activation + r * inner);
+        status = products(&layer->down, activation, rows, added, threads);
+    }
+    if (status == 0) add_into(hidden, added, rows * n);
+    return status;
+}
+
 /* hidden (shape->hidden) in and out: the token's embedding in, the last layer's output (before the final norm)
  * out. Returns 0, -1 (a matrix it does not take, no memory) or -2 (a cache full: nothing written). */
 int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
@@ -286,13 +312,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
         layer->filled = slot + 1;
         attend_one(query, heads, kv_heads, d, layer->keys, layer->values, head_stride, layer->filled, attention,
                    attended, threads);
-        if ((status = product(&layer->o, attended, added, threads))) break;
-        add_into(hidden, added, n);
-        rms_norm(hidden, layer->post_norm, n, shape->norm_eps, normed);
-        if ((status = product(&layer->gate_up, normed, wide, threads))) break;
-        silu_times(wide, wide + shape->intermediate, shape->intermediate, activation);
-        if ((status = product(&layer->down, activation, added, threads))) break;
-        add_into(hidden, added, n);
+        status = after_attention(shape, layer, 1, attended, hidden, added, normed, wide, activation, threads);
     }
     free(scratch);
     return status;
@@ -312,7 +332,7 @@ int question_before_attention(const decoder_shape *shape, const decoder_layer *l
     float *wide = malloc(sizeof(float) * (size_t)(rows * projected));  /* (rows, q + k + v) */
     if (!wide) return -1;
     for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
-    const int status = rows_product(&layer->qkv, normed, rows, wide, threads);
+    const int status = products(&layer->qkv, normed, rows, wide, threads);
     for (int64_t r = 0; r < rows && status == 0; r++) {
         const float *row = wide + r * projected, *row_cos = cos + r * d, *row_sin = sin + r * d;
         for (int64_t h = 0; h < heads; h++) rotate_into(row + h * d, row_cos, row_sin, d, query + (h * rows + r) * d);
@@ -325,10 +345,8 @@ int question_before_attention(const decoder_shape *shape, const decoder_layer *l
     return status;
 }
 
-/* The part after it: hidden += attended @ Wo^T; then hidden += (silu(gate) * up) @ Wdown^T with gate, up =
- * RMSNorm(hidden) @ [Wgate; Wup]^T. attended (rows, heads * head_dim); hidden (rows, shape->hidden) in and out.
- * Returns 0, or -1 (a matrix of another shape or form, no memory; hidden then as it came, or past the attention's
- * sum only). */
+/* after_attention for a question's rows, as decode_token computes one token's. Returns 0, or -1 (a matrix of another
+ * shape or form, no memory). */
 int question_after_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
                              const float *attended, float *hidden, int threads) {
     const int64_t n = shape->hidden, inner = shape->intermediate, width = shape->heads * shape->head_dim;
@@ -336,19 +354,8 @@ int question_after_attention(const decoder_shape *shape, const decoder_layer *la
         return -1;
     float *scratch = malloc(sizeof(float) * (size_t)(rows * (2 * n + 3 * inner)));
     if (!scratch) return -1;
-    float *added = scratch, *normed = added + rows * n, *gate_up = normed + rows * n, *activation = gate_up + rows * 2 * inner;
-    int status = rows_product(&layer->o, attended, rows, added, threads);
-    if (status == 0) {
-        add_into(hidden, added, rows * n);
-        for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->post_norm, n, shape->norm_eps, normed + r * n);
-        status = rows_product(&layer->gate_up, normed, rows, gate_up, threads);
-    }
-    if (status == 0) {
-        for (int64_t r = 0; r < rows; r++)  /* each row's gate, then its up */
-            silu_times(gate_up + r * 2 * inner, gate_up + r * 2 * inner + inner, inner, activation + r * inner);
-        status = rows_product(&layer->down, activation, rows, added, threads);
-    }
-    if (status == 0) add_into(hidden, added, rows * n);
+    const int status = after_attention(shape, layer, rows, attended, hidden, scratch, scratch + rows * n,
+                                       scratch + 2 * rows * n, scratch + rows * (2 * n + 2 * inner), threads);
     free(scratch);
     return status;
 }
