@@ -27,6 +27,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import native
 from .block_weights import FUSIBLE, fused_outputs
+from .coded_attention import attend_and_cut
 from .compress import CompressionPlan, capturing, cut_layer
 
 PLAIN_LLAMA = ("llama", "mistral", "qwen2")
@@ -144,11 +145,15 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
                 projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
                 query, key = (_with_rope(part, cos, sin, attention.head_dim) for part in projected[:2])
                 value = projected[2].view(1, rows, -1, attention.head_dim).transpose(1, 2)
-            keys, values = cache.update(key, value, attention.layer_idx)
-            output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
-            if attention in cut_modules:
-                cut_layer(plan, attention, normed, cache, (cos, sin))
-            attended = output.reshape(1, rows, -1)  # (1, q, heads * head_dim)
+            attended = None  # (1, q, heads * head_dim)
+            if layers is not None and attention in cut_modules:  # straight from the layer's codes where it can
+                attended = attend_and_cut(attention, query, key, value, cache.layers[attention.layer_idx], plan)
+            if attended is None:
+                keys, values = cache.update(key, value, attention.layer_idx)
+                output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
+                if attention in cut_modules:
+                    cut_layer(plan, attention, normed, cache, (cos, sin))
+                attended = output.reshape(1, rows, -1)
             if layers is not None:
                 layers.after(index, attended, hidden)  # in place
                 continue

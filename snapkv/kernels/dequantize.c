@@ -16,6 +16,7 @@
  * rounds fp32 (OUT_BF16). Rows are spread over `threads` OpenMP threads. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -164,6 +165,26 @@ static inline void finish_row(float *values, int64_t head_dim, int64_t rotation_
         for (int64_t c = 0; c < head_dim; c++) ((float *)out)[target + c] = values[c];
 }
 
+/* Row `row` (h * tokens + t) of a tensor whose groups run along the channels: its channels, group after group. */
+static void token_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t row,
+                      int64_t head_dim, int bits, int64_t group, float *values) {
+    const int64_t groups = (head_dim + group - 1) / group, group_bytes = group * bits / 8;
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = row * groups + g, start = g * group;
+        const int64_t end = start + group < head_dim ? start + group : head_dim;
+        const float group_scale = half_to_float(scale[at]), group_minimum = half_to_float(minimum[at]);
+        const uint8_t *codes = packed + at * group_bytes;
+        int64_t c = start;
+        const __m256 vector_scale = _mm256_set1_ps(group_scale), vector_minimum = _mm256_set1_ps(group_minimum);
+        for (; c + 8 <= end; c += 8)
+            _mm256_storeu_ps(values + c, decode_8(codes, c - start, bits, vector_scale, vector_minimum));
+        for (; c < end; c++) {
+            const float scaled = (float)code_at(codes, c - start, bits) * group_scale;
+            values[c] = scaled + group_minimum;
+        }
+    }
+}
+
 /* Returns 0, or -1 for a shape this kernel does not take (head_dim past MAX_HEAD_DIM, bits not 2/3/4/8, a
  * rotation block that is not a power of two dividing head_dim). */
 int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t heads,
@@ -210,31 +231,120 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
             }
         for (; t < last_token; t++) {
             const int64_t row = h * tokens + t;
-            if (along_tokens) {  /* the same place in each channel's group */
+            if (along_tokens)  /* the same place in each channel's group */
                 for (int64_t c = 0; c < head_dim; c++) {
                     const float scaled = (float)code_at(group_codes + c * channel_bytes, t - first_token, bits) * channel_scale[c];
                     values[c] = scaled + channel_minimum[c];
                 }
-            } else {  /* the row's channels, group after group */
-                for (int64_t g = 0; g < groups; g++) {
-                    const int64_t at = row * groups + g, start = g * group;
-                    const int64_t end = start + group < head_dim ? start + group : head_dim;
-                    const float group_scale = half_to_float(scale[at]), group_minimum = half_to_float(minimum[at]);
-                    const uint8_t *codes = packed + at * group_bytes;
-                    int64_t c = start;
-                    const __m256 vector_scale = _mm256_set1_ps(group_scale), vector_minimum = _mm256_set1_ps(group_minimum);
-                    for (; c + 8 <= end; c += 8)
-                        _mm256_storeu_ps(values + c, decode_8(codes, c - start, bits, vector_scale, vector_minimum));
-                    for (; c < end; c++) {
-                        const float scaled = (float)code_at(codes, c - start, bits) * group_scale;
-                        values[c] = scaled + group_minimum;
-                    }
-                }
-            }
+            else
+                token_row(packed, scale, minimum, row, head_dim, bits, group, values);
             finish_row(values, head_dim, rotation_block, norm, destination, row, out, out_kind, wide);
         }
     }
     return 0;
+}
+
+/* stored_row's keys (groups along the tokens) 16 channels at a time with AVX-512 gathers: the same values. Channels
+ * whose 4-byte reads would pass the end of the codes or scales take the scalar path. */
+WIDE static void stored_key_row_wide(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
+                                     int64_t heads, int64_t tokens, int64_t head_dim, int bits, int64_t group,
+                                     int64_t h, int64_t t, float *values) {
+    const int64_t groups = (tokens + group - 1) / group, group_bytes = group * bits / 8;
+    const int64_t bit = (t % group) * bits, entries = heads * head_dim * groups;
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m128i shift = _mm_cvtsi32_si128((int)(bit & 7));
+    const __m512i keep = _mm512_set1_epi32((1 << bits) - 1);
+    int64_t c = 0;
+    for (; c + 16 <= head_dim; c += 16) {
+        const int64_t first = (h * head_dim + c) * groups + t / group;  /* channel c's group holding t */
+        const int64_t last = first + 15 * groups;
+        if ((last + 1) * 2 + 2 > entries * 2 || last * group_bytes + (bit >> 3) + 4 > entries * group_bytes) break;
+        const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)first), _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)groups)));
+        const __m512i words = _mm512_i32gather_epi32(
+            _mm512_add_epi32(_mm512_mullo_epi32(at, _mm512_set1_epi32((int)group_bytes)), _mm512_set1_epi32((int)(bit >> 3))),
+            packed, 1);
+        const __m512 codes = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(words, shift), keep));
+        const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const void *)scale, 2)));
+        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const void *)minimum, 2)));
+        _mm512_storeu_ps(values + c, _mm512_add_ps(_mm512_mul_ps(codes, s), m));
+    }
+    for (; c < head_dim; c++) {
+        const int64_t at = (h * head_dim + c) * groups + t / group;
+        const float scaled = (float)code_at(packed + at * group_bytes, t % group, bits) * half_to_float(scale[at]);
+        values[c] = scaled + half_to_float(minimum[at]);
+    }
+}
+
+/* Row t of head h of a stored tensor (dequantize_rows' layout), decoded into `values` (not rotated back). */
+static void stored_row(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t tokens,
+                       int64_t head_dim, int bits, int along_tokens, int64_t group, int64_t h, int64_t t, float *values) {
+    if (!along_tokens) {
+        token_row(packed, scale, minimum, h * tokens + t, head_dim, bits, group, values);
+        return;
+    }
+    const int64_t groups = (tokens + group - 1) / group, group_bytes = group * bits / 8;
+    for (int64_t c = 0; c < head_dim; c++) {  /* channel c's group holding t: (h, c, t / group) */
+        const int64_t at = (h * head_dim + c) * groups + t / group;
+        const float scaled = (float)code_at(packed + at * group_bytes, t % group, bits) * half_to_float(scale[at]);
+        values[c] = scaled + half_to_float(minimum[at]);
+    }
+}
+
+/* A question's cut of a saved layer (snapkv.coded_attention): the keys or values at `positions` (heads, kept), into
+ * `out` (heads * kept, head_dim) fp32, a head's rows in order. The layer is stored as `parts` parts read one after
+ * the other (part_pointers: per part codes, scale, minimum; part_shapes: per part tokens, bits, along_tokens, group,
+ * rotation_block), position p of head h in column column_of[h * stored + p] of them (column_of NULL: column p);
+ * positions from `stored` on are the question's own rows (question_rows (heads, question, head_dim), fp32, copied).
+ * Stored rows are decoded and rotated back as dequantize_rows does: the same bits. Returns 0, or -1 for a shape it
+ * does not take or a position or column out of range (then `out` is not all written). */
+int dequantize_positions(const void *const *part_pointers, const int64_t *part_shapes, int parts,
+                         const int64_t *column_of, int64_t heads, int64_t stored, int64_t head_dim,
+                         const int64_t *positions, int64_t kept, const float *question_rows, int64_t question,
+                         float *out, int threads) {
+    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || parts < 1) return -1;
+    int64_t columns = 0;
+    for (int i = 0; i < parts; i++) {
+        const int64_t *shape = part_shapes + 5 * i;
+        const int bits = (int)shape[1];
+        if (!(bits == 2 || bits == 3 || bits == 4 || bits == 8) || shape[3] < 1 || shape[0] < 0
+            || (shape[4] && (shape[4] & (shape[4] - 1) || head_dim % shape[4])))
+            return -1;
+        columns += shape[0];
+    }
+    if (columns != stored) return -1;
+    const int wide = wide_vectors(-1);
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(|:failed)
+    for (int64_t row = 0; row < heads * kept; row++) {
+        const int64_t h = row / kept, p = positions[row];
+        if (p < 0 || p >= stored + question) {
+            failed = 1;
+            continue;
+        }
+        if (p >= stored) {
+            memcpy(out + row * head_dim, question_rows + (h * question + p - stored) * head_dim, sizeof(float) * head_dim);
+            continue;
+        }
+        int64_t column = column_of ? column_of[h * stored + p] : p;
+        int i = 0;
+        while (i < parts && column >= part_shapes[5 * i]) column -= part_shapes[5 * i++];
+        if (column < 0 || i == parts) {
+            failed = 1;
+            continue;
+        }
+        const void *const *pointers = part_pointers + 3 * i;
+        const int64_t *shape = part_shapes + 5 * i;
+        float values[MAX_HEAD_DIM];
+        if (wide && shape[2] && heads * head_dim * ((shape[0] + shape[3] - 1) / shape[3]) * shape[3] < INT32_MAX / 8)
+            stored_key_row_wide(pointers[0], pointers[1], pointers[2], heads, shape[0], head_dim, (int)shape[1],
+                                shape[3], h, column, values);
+        else
+            stored_row(pointers[0], pointers[1], pointers[2], shape[0], head_dim, (int)shape[1], (int)shape[2],
+                       shape[3], h, column, values);
+        const float norm = shape[4] ? (float)(1.0 / __builtin_sqrt((double)shape[4])) : 1.0f;
+        finish_row(values, head_dim, shape[4], norm, NULL, row, out, OUT_FP32, wide);
+    }
+    return failed ? -1 : 0;
 }
 
 /* The kept positions of a saved layer from its bit mask (snapkv.cachefile: bit p % 8 of byte p // 8 set where
@@ -283,4 +393,15 @@ int part_rows(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t room,
             else *low++ = row;
         }
     return 0;
+}
+
+/* Each position's column when a Mixed part's rows are read one part after the other (a head's sharper tokens in
+ * order, then its other tokens: snapkv.coded_attention). sharp: (heads, tokens) bool; columns: (heads, tokens) out. */
+void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns) {
+    for (int64_t h = 0; h < heads; h++) {
+        int64_t sharper = 0;
+        for (int64_t t = 0; t < tokens; t++) sharper += sharp[h * tokens + t] != 0;
+        int64_t high = 0, low = sharper;
+        for (int64_t t = 0; t < tokens; t++) columns[h * tokens + t] = sharp[h * tokens + t] ? high++ : low++;
+    }
 }

@@ -1,0 +1,269 @@
+/* A question's attention over a saved layer straight from its codes (snapkv.quantize's layout), without restoring
+ * the layer to fp32 first: each tile of keys or values is decoded into the nearest cache just before the register
+ * tiles (tiles.h) read it, so a layer's 8k tokens are read as ~0.8 MB of codes, not written and read again as 12 MB
+ * of floats, and only the positions the question's cut keeps are restored afterwards (dequantize.c's
+ * dequantize_chosen_rows).
+ *
+ * A layer is stored as one or two parts (snapkv.quantize.Quantized, or a Mixed's sharper and other tokens, each in
+ * its own bits), then come the question's own keys and values in fp32. Keys' groups run along the tokens (a channel's
+ * `group` tokens share a scale and a minimum: stored channel by channel, which is the (head_dim, 64 tokens) tile the
+ * scores need, with no transposes); values' groups along the channels (a token's row). A rotated part (a Hadamard
+ * rotation of each head's vectors, snapkv.quantize) is never rotated back here: q . k = (H q) . (H k), so its scores
+ * take the query rows rotated (`rotated_query`); and the values' weighted sum is made in the basis they are stored
+ * in (every part's values in the same one, the question's own passed in it too), rotated back by the caller on the
+ * few output rows. Decoding is x = code * scale + minimum, multiplied then added, as dequantize.c decodes (the same
+ * fp32 values before its rotation); the scores and sums differ from attend_rows' over a restored layer within
+ * rounding only (the rotation moved, the keys' order within a part kept).
+ *
+ * attend_coded: as few_rows.c's attend_rows (query rows, tail mask, weights, output, window sums), with the columns
+ *   of each KV head's rows in the order [part 0's tokens, part 1's tokens, the question's tokens]:
+ *   parts:          1 or 2
+ *   part_pointers:  per part 6 pointers: key codes, key scale, key minimum, value codes, value scale, value minimum
+ *                   (codes (kv_heads, other, groups, group * bits / 8) uint8; scale and minimum (kv_heads, other,
+ *                   groups) fp16; keys: other = head_dim, groups along the part's tokens; values: other = tokens)
+ *   part_shapes:    per part 6 int64: tokens, key bits, key group, keys rotated (0/1), value bits, value group
+ *   query, rotated_query: (kv_heads, rows, head_dim) each, as attend_rows' query (rotated_query is read only for
+ *                   a rotated part's keys)
+ *   question_keys, question_values: (kv_heads, question, head_dim) fp32, the values in the basis of the parts' values
+ * Needs AVX-512 (wide_vectors); head_dim a multiple of 64 up to MAX_HEAD_DIM; groups multiples of 16 (a value group
+ * dividing head_dim); bits 2, 3, 4 or 8. Returns 0, or -1 for anything else or when memory runs out. */
+#include "tiles.h"
+
+#define MAX_PARTS 2
+#define VALUE_TILE 64  /* tokens of values decoded at a time (16 KB at head_dim 64), read by every row block of a task */
+
+typedef struct {
+    const uint8_t *codes;
+    const uint16_t *scale, *minimum;  /* fp16 */
+    int64_t group, group_bytes, groups;
+    int bits;
+} coded;
+
+typedef struct {
+    coded keys, values;
+    int64_t tokens;
+    int rotated_keys;
+} part;
+
+/* How 16 codes of `bits` bits, a little-endian bit stream from a byte boundary, come out of 2 x bits bytes: each lane
+ * takes the two bytes its code starts in (vpshufb picks them from the 16 bytes loaded, repeated in every 128-bit
+ * lane), shifts right by where in the first byte the code starts, and keeps `bits` bits. */
+typedef struct {
+    __m512i pick, shift, keep;
+    __mmask16 bytes;
+} unpacker;
+
+WIDE static unpacker unpacker_for(int bits) {
+    int8_t pick[64];
+    int32_t shift[16];
+    for (int i = 0; i < 16; i++) {
+        const int first = i * bits >> 3;  /* at most 15: the second byte's index wraps to 0, and is masked away */
+        pick[4 * i] = (int8_t)first;
+        pick[4 * i + 1] = (int8_t)((first + 1) & 15);
+        pick[4 * i + 2] = pick[4 * i + 3] = (int8_t)0x80;  /* zero */
+        shift[i] = i * bits & 7;
+    }
+    unpacker u;
+    u.pick = _mm512_loadu_si512(pick);
+    u.shift = _mm512_loadu_si512(shift);
+    u.keep = _mm512_set1_epi32((1 << bits) - 1);
+    u.bytes = (__mmask16)(bits == 8 ? 0xFFFF : (1u << (2 * bits)) - 1);
+    return u;
+}
+
+/* 16 codes starting at `bytes` (a whole byte), times scale plus minimum: multiplied, then added. */
+WIDE static inline __m512 decoded_16(const uint8_t *bytes, const unpacker *u, float scale, float minimum) {
+    const __m512i raw = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(u->bytes, bytes));
+    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(raw, u->pick), u->shift), u->keep);
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(scale)), _mm512_set1_ps(minimum));
+}
+
+/* tile (head_dim, WIDE_TILE): head h's keys first..first + 63 of part p, channel-major as they are stored; zero past
+ * the part's tokens. */
+WIDE static void key_tile(const part *p, const unpacker *u, int64_t h, int64_t first, int64_t head_dim, float *tile) {
+    const coded *k = &p->keys;
+    for (int64_t c = 0; c < head_dim; c++) {
+        const int64_t channel = (h * head_dim + c) * k->groups;  /* channel c's first group */
+        for (int v = 0; v < WIDE_TILE / 16; v++) {
+            const int64_t t = first + 16 * v;
+            __m512 x = _mm512_setzero_ps();
+            if (t < p->tokens) {  /* 16 tokens inside one group: groups are multiples of 16 */
+                const int64_t at = channel + t / k->group;
+                x = decoded_16(k->codes + at * k->group_bytes + (t % k->group) * k->bits / 8, u, _cvtsh_ss(k->scale[at]),
+                               _cvtsh_ss(k->minimum[at]));
+            }
+            _mm512_store_ps(tile + c * WIDE_TILE + 16 * v, x);
+        }
+    }
+}
+
+/* tile (count, head_dim): head h's value rows first..first + count - 1 of part p. */
+WIDE static void value_tile(const part *p, const unpacker *u, int64_t h, int64_t first, int64_t count,
+                            int64_t head_dim, float *tile) {
+    const coded *v = &p->values;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t row = (h * p->tokens + first + i) * v->groups;  /* the token's first group */
+        for (int64_t c = 0; c < head_dim; c += 16) {
+            const int64_t at = row + c / v->group;
+            _mm512_store_ps(tile + i * head_dim + c,
+                            decoded_16(v->codes + at * v->group_bytes + (c % v->group) * v->bits / 8, u, _cvtsh_ss(v->scale[at]),
+                                       _cvtsh_ss(v->minimum[at])));
+        }
+    }
+}
+
+static int readable(const coded *c, int64_t extent) {
+    if (!(c->bits == 2 || c->bits == 3 || c->bits == 4 || c->bits == 8) || c->group < 16 || c->group % 16) return 0;
+    return extent > 0;
+}
+
+WIDE static int attend_coded_wide(const float *query, const float *rotated_query, int64_t kv_heads, int64_t rows, int64_t question,
+                 float scale, int64_t head_dim, int parts, const void *const *part_pointers,
+                 const int64_t *part_shapes, const float *question_keys, const float *question_values,
+                 const float *tail_mask, float *weights, float *out, int64_t window, float *window_sums,
+                 int threads) {
+    if (head_dim % WIDE_TILE || head_dim > MAX_HEAD_DIM || kv_heads < 1 || rows < 1
+        || question < 1 || rows % question || parts < 1 || parts > MAX_PARTS)
+        return -1;
+    if (window_sums && (window < 1 || window > question)) return -1;
+    part stored[MAX_PARTS];
+    int64_t first_column[MAX_PARTS + 2], first_tile[MAX_PARTS + 2];  /* per part, then the question, then the end */
+    first_column[0] = first_tile[0] = 0;
+    for (int i = 0; i < parts; i++) {
+        const void *const *pointers = part_pointers + 6 * i;
+        const int64_t *shape = part_shapes + 6 * i;
+        part *p = &stored[i];
+        p->tokens = shape[0];
+        p->rotated_keys = (int)shape[3];
+        p->keys = (coded){pointers[0], pointers[1], pointers[2], shape[2], shape[2] * shape[1] / 8, 0, (int)shape[1]};
+        p->values = (coded){pointers[3], pointers[4], pointers[5], shape[5], shape[5] * shape[4] / 8, 0, (int)shape[4]};
+        p->keys.groups = (p->tokens + p->keys.group - 1) / p->keys.group;
+        p->values.groups = head_dim / p->values.group;
+        if (!readable(&p->keys, p->tokens) || !readable(&p->values, p->tokens) || head_dim % p->values.group)
+            return -1;
+        first_column[i + 1] = first_column[i] + p->tokens;
+        first_tile[i + 1] = first_tile[i] + (p->tokens + WIDE_TILE - 1) / WIDE_TILE;
+    }
+    first_column[parts + 1] = first_column[parts] + question;
+    first_tile[parts + 1] = first_tile[parts] + (question + WIDE_TILE - 1) / WIDE_TILE;
+    const int64_t tokens = first_column[parts + 1], tiles = first_tile[parts + 1];
+    const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    float *scaled[kv_heads], *rotated[kv_heads];  /* per KV head, its rows scaled and padded, as they are and rotated */
+    int missing = 0;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        missing |= !(scaled[h] = padded_rows(query + h * rows * head_dim, rows, head_dim, scale));
+        missing |= !(rotated[h] = padded_rows(rotated_query + h * rows * head_dim, rows, head_dim, scale));
+    }
+    float *tile_maxima = malloc(sizeof(float) * (size_t)(kv_heads * tiles * rows));  /* (kv_heads, tiles, rows) */
+    float *inverse_sums = malloc(sizeof(float) * (size_t)(kv_heads * rows));
+    const int64_t shares = threads > 1 ? threads : 1;  /* of each head's tiles of values */
+    float *partials = malloc(sizeof(float) * (size_t)(kv_heads * shares * rows * head_dim));  /* (kv_heads, shares, rows, head_dim) */
+    if (missing || !tile_maxima || !inverse_sums || !partials) {
+        free(partials);
+        for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]), free(rotated[h]);
+        free(tile_maxima);
+        free(inverse_sums);
+        return -1;
+    }
+    unpacker key_unpackers[MAX_PARTS], value_unpackers[MAX_PARTS];
+    for (int i = 0; i < parts; i++) {
+        key_unpackers[i] = unpacker_for(stored[i].keys.bits);
+        value_unpackers[i] = unpacker_for(stored[i].values.bits);
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        float tile[MAX_HEAD_DIM * WIDE_TILE] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * tiles; task++) {  /* scores: one tile of keys, every row */
+            const int64_t h = task / tiles, t = task % tiles;
+            int i = 0;
+            while (t >= first_tile[i + 1]) i++;  /* the part this tile is in (parts: the question) */
+            const int64_t first = (t - first_tile[i]) * WIDE_TILE, column = first_column[i] + first;
+            const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
+            const float *rows_in = scaled[h];
+            if (i == parts) {
+                transposed_wide_tile(question_keys + (h * question + first) * head_dim, count, head_dim, tile);
+            } else {
+                key_tile(&stored[i], &key_unpackers[i], h, first, head_dim, tile);
+                if (stored[i].rotated_keys) rows_in = rotated[h];
+            }
+            rows_times_tile(rows_in, rows, head_dim, tile, count, weights + h * rows * tokens + column, tokens, 1);
+            finish_score_tile(weights + h * rows * tokens + column, rows, tokens, column, count, tail_mask, question,
+                              tile_maxima + task * rows);
+        }
+        /* the softmax's numerators, as attend_rows makes them */
+        const int64_t task_rows = window_sums ? question : 1;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * rows / task_rows; task++)
+            for (int64_t r = task * task_rows; r < (task + 1) * task_rows; r++) {
+                float *row = weights + r * tokens;
+                const int64_t h = r / rows, i = r % question;
+                float top = -INFINITY;
+                for (int64_t t = 0; t < tiles; t++) {
+                    const float tile_top = tile_maxima[(h * tiles + t) * rows + r % rows];
+                    top = tile_top > top ? tile_top : top;
+                }
+                const float inverse = 1.0f / row_exponentials_wide(row, tokens, top);
+                inverse_sums[r] = inverse;
+                if (window_sums && i >= question - window) {
+                    float *sums = window_sums + r / question * tokens;
+                    if (i == question - window) for (int64_t j = 0; j < tokens; j++) sums[j] = row[j] * inverse;
+                    else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j] * inverse;
+                }
+            }
+        /* values: a share of one head's tiles of values (each decoded once), for every row block: partial sums, each
+         * carried on from the tile before; the shares are added up below */
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * shares; task++) {
+            const int64_t h = task / shares, share = task % shares;
+            const int64_t first_of_share = tiles * share / shares, end_of_share = tiles * (share + 1) / shares;
+            float *partial = partials + task * rows * head_dim;  /* (rows, head_dim) */
+            if (first_of_share == end_of_share) memset(partial, 0, sizeof(float) * (size_t)(rows * head_dim));
+            for (int64_t t = first_of_share; t < end_of_share; t++) {
+                int i = 0;
+                while (t >= first_tile[i + 1]) i++;
+                const int64_t first = (t - first_tile[i]) * WIDE_TILE, column = first_column[i] + first;
+                const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
+                const float *values = question_values + (h * question + first) * head_dim;
+                if (i < parts) {
+                    value_tile(&stored[i], &value_unpackers[i], h, first, count, head_dim, tile);
+                    values = tile;
+                }
+                for (int64_t block = 0; block < blocks; block++) {
+                    const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
+                    const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
+                    for (int r = 0; r < ROW_BLOCK; r++)
+                        a[r] = weights + (h * rows + block * ROW_BLOCK + (r < live ? r : 0)) * tokens + column;
+                    for (int64_t c = 0; c < head_dim; c += WIDE_TILE)
+                        wide_tile_product(a, values + c, head_dim, count, partial + block * ROW_BLOCK * head_dim + c,
+                                          head_dim, (int)live, WIDE_TILE, t > first_of_share);
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < kv_heads * rows; r++) {  /* the shares added, divided by the row's sum of weights */
+            const float *partial = partials + ((r / rows) * shares * rows + r % rows) * head_dim;
+            for (int64_t c = 0; c < head_dim; c++) {
+                float total = partial[c];
+                for (int64_t share = 1; share < shares; share++) total += partial[share * rows * head_dim + c];
+                out[r * head_dim + c] = total * inverse_sums[r];
+            }
+        }
+    }
+    for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]), free(rotated[h]);
+    free(tile_maxima);
+    free(inverse_sums);
+    free(partials);
+    return 0;
+}
+
+int attend_coded(const float *query, const float *rotated_query, int64_t kv_heads, int64_t rows, int64_t question,
+                 float scale, int64_t head_dim, int parts, const void *const *part_pointers,
+                 const int64_t *part_shapes, const float *question_keys, const float *question_values,
+                 const float *tail_mask, float *weights, float *out, int64_t window, float *window_sums,
+                 int threads) {
+    if (!wide_vectors(-1)) return -1;  /* AVX-512 only past this check */
+    return attend_coded_wide(query, rotated_query, kv_heads, rows, question, scale, head_dim, parts, part_pointers,
+                             part_shapes, question_keys, question_values, tail_mask, weights, out, window,
+                             window_sums, threads);
+}

@@ -1,0 +1,229 @@
+/* The register tiles a few fp32 rows (a question's tokens) multiply many rows by, shared by snapkv's attention
+ * kernels (few_rows.c over fp32 keys and values, coded_attention.c over a saved cache's codes): the long side
+ * transposed into a (depth, 16 or 64) tile that feeds every short row through a register tile of 6 rows x 16 columns
+ * (AVX2) or 6 rows x 64 columns (AVX-512), and the softmax's pieces in 16 lanes. */
+#ifndef SNAPKV_TILES_H
+#define SNAPKV_TILES_H
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define ROW_BLOCK 6
+#define KEY_TILE 16
+#define WIDE_TILE 64  /* columns of the AVX-512 register tile: ROW_BLOCK rows x 4 vectors of 16 */
+#define MAX_HEAD_DIM 256
+
+/* tile (depth, KEY_TILE), rows `tile_stride` floats apart = the `count` rows of `long_rows` (each `depth` floats)
+ * transposed, zero past count. */
+static void transposed_tile(const float *long_rows, int64_t count, int64_t depth, float *tile, int64_t tile_stride) {
+    if (count == KEY_TILE) {
+        for (int64_t c = 0; c < depth; c += 8) {
+            transpose_8x8(long_rows + c, depth, tile + c * tile_stride, tile_stride);
+            transpose_8x8(long_rows + 8 * depth + c, depth, tile + c * tile_stride + 8, tile_stride);
+        }
+        return;
+    }
+    for (int64_t c = 0; c < depth; c++)
+        for (int64_t j = 0; j < KEY_TILE; j++) tile[c * tile_stride + j] = j < count ? long_rows[j * depth + c] : 0.0f;
+}
+
+/* tile (depth, WIDE_TILE) = up to WIDE_TILE rows of `long_rows` transposed, 16 at a time, zero past count. */
+static void transposed_wide_tile(const float *long_rows, int64_t count, int64_t depth, float *tile) {
+    for (int64_t part = 0; part < WIDE_TILE; part += KEY_TILE) {
+        const int64_t left = count - part, part_count = left < 0 ? 0 : left < KEY_TILE ? left : KEY_TILE;
+        transposed_tile(long_rows + (part_count ? part * depth : 0), part_count, depth, tile + part, WIDE_TILE);
+    }
+}
+
+/* sums[i] (16 lanes in two vectors) = sum over k < depth of a[i][k] * b[k * b_stride + 0..15], for ROW_BLOCK
+ * rows of a: the register tile shared by the scores and the values (12 accumulators, named so that they stay
+ * in registers). */
+static inline void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
+                                __m256 sums[ROW_BLOCK][2]) {
+    __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00,
+           s30 = s00, s31 = s00, s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+    for (int64_t k = 0; k < depth; k++, b += b_stride) {
+        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+        __m256 x;
+        x = _mm256_broadcast_ss(a0 + k); s00 = _mm256_fmadd_ps(x, b0, s00); s01 = _mm256_fmadd_ps(x, b1, s01);
+        x = _mm256_broadcast_ss(a1 + k); s10 = _mm256_fmadd_ps(x, b0, s10); s11 = _mm256_fmadd_ps(x, b1, s11);
+        x = _mm256_broadcast_ss(a2 + k); s20 = _mm256_fmadd_ps(x, b0, s20); s21 = _mm256_fmadd_ps(x, b1, s21);
+        x = _mm256_broadcast_ss(a3 + k); s30 = _mm256_fmadd_ps(x, b0, s30); s31 = _mm256_fmadd_ps(x, b1, s31);
+        x = _mm256_broadcast_ss(a4 + k); s40 = _mm256_fmadd_ps(x, b0, s40); s41 = _mm256_fmadd_ps(x, b1, s41);
+        x = _mm256_broadcast_ss(a5 + k); s50 = _mm256_fmadd_ps(x, b0, s50); s51 = _mm256_fmadd_ps(x, b1, s51);
+    }
+    sums[0][0] = s00; sums[0][1] = s01; sums[1][0] = s10; sums[1][1] = s11; sums[2][0] = s20; sums[2][1] = s21;
+    sums[3][0] = s30; sums[3][1] = s31; sums[4][0] = s40; sums[4][1] = s41; sums[5][0] = s50; sums[5][1] = s51;
+}
+
+/* tile_product with 16 columns in one AVX-512 vector: the same sums, lane by lane in the same order. */
+WIDE static inline void tile_product_wide(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
+                                          int64_t depth, __m512 sums[ROW_BLOCK]) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0;
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+    for (int64_t k = 0; k < depth; k++, b += b_stride) {
+        const __m512 row = _mm512_loadu_ps(b);
+        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a0[k]), row, s0);
+        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a1[k]), row, s1);
+        s2 = _mm512_fmadd_ps(_mm512_set1_ps(a2[k]), row, s2);
+        s3 = _mm512_fmadd_ps(_mm512_set1_ps(a3[k]), row, s3);
+        s4 = _mm512_fmadd_ps(_mm512_set1_ps(a4[k]), row, s4);
+        s5 = _mm512_fmadd_ps(_mm512_set1_ps(a5[k]), row, s5);
+    }
+    sums[0] = s0; sums[1] = s1; sums[2] = s2; sums[3] = s3; sums[4] = s4; sums[5] = s5;
+}
+
+/* tile_product_wide's sums stored as 16 floats per row (a function of its own: AVX-512 inside, none outside). */
+WIDE static void tile_product_wide_stored(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
+                                          int64_t depth, float sums[ROW_BLOCK][KEY_TILE]) {
+    __m512 wide_sums[ROW_BLOCK];
+    tile_product_wide(a, b, b_stride, depth, wide_sums);
+    for (int i = 0; i < ROW_BLOCK; i++) _mm512_storeu_ps(sums[i], wide_sums[i]);
+}
+
+/* The lanes of vector v (columns v * 16..v * 16 + 15) that lie before column `count`. */
+static inline __mmask16 columns_before(int64_t count, int v) {
+    const int64_t left = count - v * 16;
+    return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+}
+
+/* out[i * out_stride + j] = sum over k < depth of a[i][k] * b[k * b_stride + j] for i < live rows and j < count
+ * <= WIDE_TILE columns: ROW_BLOCK rows x 64 columns in 24 AVX-512 accumulators, so that each step loads 4 vectors
+ * and 6 broadcasts for 24 FMAs (the 6 x 16 tile loads 7 for 6). Every sum runs over k in order, as tile_product's:
+ * the same bits. `accumulate`: the sums start from what out holds (the same chain carried on from an earlier run of
+ * k), else from 0. Columns past `count` are computed from what b holds there and not stored. */
+WIDE static void wide_tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
+                                   float *out, int64_t out_stride, int live, int64_t count, int accumulate) {
+    __m512 s[ROW_BLOCK][4];
+    for (int i = 0; i < ROW_BLOCK; i++)
+        for (int v = 0; v < 4; v++)
+            s[i][v] = accumulate && i < live ? _mm512_maskz_loadu_ps(columns_before(count, v), out + i * out_stride + v * 16)
+                                             : _mm512_setzero_ps();
+    for (int64_t k = 0; k < depth; k++, b += b_stride) {
+        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32),
+                     b3 = _mm512_loadu_ps(b + 48);
+        for (int i = 0; i < ROW_BLOCK; i++) {
+            const __m512 x = _mm512_set1_ps(a[i][k]);
+            s[i][0] = _mm512_fmadd_ps(x, b0, s[i][0]);
+            s[i][1] = _mm512_fmadd_ps(x, b1, s[i][1]);
+            s[i][2] = _mm512_fmadd_ps(x, b2, s[i][2]);
+            s[i][3] = _mm512_fmadd_ps(x, b3, s[i][3]);
+        }
+    }
+    for (int i = 0; i < live; i++)
+        for (int v = 0; v < 4 && v * 16 < count; v++)
+            _mm512_mask_storeu_ps(out + i * out_stride + v * 16, columns_before(count, v), s[i][v]);
+}
+
+/* sums (ROW_BLOCK rows x 16 columns) stored as 16 floats per row: with AVX-512 where `wide`. */
+static inline void tile_product_any(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
+                                    float sums[ROW_BLOCK][KEY_TILE], int wide) {
+    if (wide) {
+        tile_product_wide_stored(a, b, b_stride, depth, sums);
+        return;
+    }
+    __m256 narrow[ROW_BLOCK][2];
+    tile_product(a, b, b_stride, depth, narrow);
+    for (int i = 0; i < ROW_BLOCK; i++) {
+        _mm256_storeu_ps(sums[i], narrow[i][0]);
+        _mm256_storeu_ps(sums[i] + 8, narrow[i][1]);
+    }
+}
+
+/* exp_8 (simd.h) in 16 lanes: the same operations, so the same bits in every lane. */
+WIDE static inline __m512 exp_16(__m512 x) {
+    const __m512 lowest = _mm512_set1_ps(-87.3f);
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lowest);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i two_to_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(p, _mm512_castsi512_ps(two_to_n)));
+}
+
+/* row_exponentials (simd.h) 16 lanes at a time: the same bits. The exponentials are summed into 8 lanes, the low
+ * half of each vector before the high, which is the order row_exponentials adds them in. */
+WIDE static float row_exponentials_wide(float *row, int64_t tokens, float top) {
+    const __m512 shift = _mm512_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= tokens; j += 16) {
+        const __m512 e = exp_16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
+        _mm512_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, _mm512_extractf32x8_ps(e, 1));
+    }
+    for (; j + 8 <= tokens; j += 8) {
+        const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm512_castps512_ps256(shift)));
+        _mm256_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = lane_sum(total);
+    for (; j < tokens; j++) {
+        row[j] = expf(row[j] - top);
+        sum += row[j];
+    }
+    return sum;
+}
+
+/* A tile of scores just computed (every row of a head, `count` columns from column `first`; rows `tokens` floats
+ * apart): the question's own columns among them get tail_mask added, and each row's largest score in the tile is
+ * written to maxima[row], while the tile is still in the nearest cache (the softmax then needs no pass of its own to
+ * find each row's largest). */
+static void finish_score_tile(float *scores, int64_t rows, int64_t tokens, int64_t first, int64_t count,
+                              const float *tail_mask, int64_t question, float *maxima) {
+    const int64_t question_start = tokens - question;  /* the question's first own column */
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * tokens;
+        const float *mask = tail_mask + (r % question) * question;  /* row r is the question's token r % question */
+        for (int64_t c = first > question_start ? first : question_start; c < first + count; c++)
+            row[c - first] += mask[c - question_start];
+        maxima[r] = row_maximum(row, count);
+    }
+}
+
+/* (rows, depth) zero-padded to whole blocks of ROW_BLOCK rows, times `scale`; NULL when memory runs out. */
+static float *padded_rows(const float *rows_in, int64_t rows, int64_t depth, float scale) {
+    const int64_t padded = (rows + ROW_BLOCK - 1) / ROW_BLOCK * ROW_BLOCK;
+    float *padded_copy = calloc((size_t)(padded * depth), sizeof(float));
+    if (padded_copy)
+        for (int64_t i = 0; i < rows * depth; i++) padded_copy[i] = rows_in[i] * scale;
+    return padded_copy;
+}
+
+/* out[r * out_stride + j] = sum over c < depth of a[r][c] * tile[c][j], for r < rows, j < count: every short row
+ * (`a`, padded by padded_rows) against one transposed tile: (depth, WIDE_TILE) where `wide`, else
+ * (depth, KEY_TILE). */
+static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const float *tile, int64_t count,
+                            float *out, int64_t out_stride, int wide) {
+    for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
+        const float *block[ROW_BLOCK];
+        for (int i = 0; i < ROW_BLOCK; i++) block[i] = a + (first + i) * depth;
+        const int live = rows - first < ROW_BLOCK ? (int)(rows - first) : ROW_BLOCK;
+        if (wide) {
+            wide_tile_product(block, tile, WIDE_TILE, depth, out + first * out_stride, out_stride, live, count, 0);
+            continue;
+        }
+        float sums[ROW_BLOCK][KEY_TILE];
+        tile_product_any(block, tile, KEY_TILE, depth, sums, wide);
+        for (int i = 0; i < ROW_BLOCK && first + i < rows; i++)
+            memcpy(out + (first + i) * out_stride, sums[i], sizeof(float) * count);
+    }
+}
+
+#endif

@@ -1,0 +1,158 @@
+"""A question's attention and cut straight from a saved layer's codes (snapkv.coded_attention,
+snapkv/kernels/coded_attention.c) against the same pass over the layer restored to fp32, on a tiny Llama with
+head_dim 64 whose weights are exact 4/8-bit blocks."""
+
+import pytest
+import torch
+
+from snapkv import coded_attention, lean_decode, native, native_decode
+from snapkv.bits import Bits
+from snapkv.cachefile import load_cache, save_cache
+from snapkv.compress import CompressionPlan
+from snapkv.config import Cut
+from snapkv.generation import answer, prefill
+from snapkv.quantize import Mixed, quantize_mixed, stored_schemes
+
+from test_native_decode import ids, on_blocks
+
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
+                                reason=f"kernels unavailable: {native.unavailable_reason()}")
+
+PROMPT = 203  # past one 128-token key group, not a multiple of 16 or 64: part-filled tiles and groups
+QUESTION = 7
+
+
+def sharper(cache, share: float) -> list[torch.Tensor]:
+    """Per layer (kv_heads, kept) bool: `share` of each head's positions, chosen at random, as many in every head."""
+    generator = torch.Generator().manual_seed(3)
+    masks = []
+    for keys in cache.keys:
+        heads, kept = keys.shape[0], keys.shape[1]  # (kv_heads, kept, head_dim)
+        chosen = torch.zeros(heads, kept, dtype=torch.bool)
+        for head in range(heads):
+            chosen[head, torch.randperm(kept, generator=generator)[: int(share * kept)]] = True
+        masks.append(chosen)
+    return masks
+
+
+def saved(model, bits: Bits, path):
+    """A prompt's cache stored in `bits` and loaded deferred, as `ask` loads it."""
+    cache = prefill(model, ids(PROMPT, 1), None)
+    stored = cache.at_precision(bits, sharper(cache, bits.share) if bits.share else None)
+    save_cache(path, stored)
+    return load_cache(path, question_room=16)[0]
+
+
+def coded_calls(monkeypatch) -> list[bool]:
+    """Whether each of the pass's attend_and_cut calls took the coded path (recorded as the pass calls it)."""
+    taken = []
+    real = lean_decode.attend_and_cut
+    monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: (found := real(*a)) is not None and taken.append(True)
+                        or (found is None and taken.append(False)) or found)
+    return taken
+
+
+@pytest.mark.parametrize("bits", [Bits(3, 2, share=0.2, sharp=(8, 4)),  # the default: two parts, keys 8 unrotated
+                                  Bits(4, 3),  # one part, every key and value rotated
+                                  Bits(8)])  # one part, nothing rotated (the values' sum in their own basis)
+@pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),
+                                   dict(num_attention_heads=2, num_key_value_heads=2)])
+def test_the_coded_path_is_the_restored_path_within_rounding(bits, heads, tmp_path, monkeypatch):
+    """The same question over the same deferred cache, its attention and cut from the codes and from the layer
+    restored whole: logits within fp32 rounding, the same positions kept, the kept stored rows the same to the bit
+    (restored as the whole layer's restore gives them) and the question's own rows within rounding (computed from
+    the layer before's output)."""
+    model = on_blocks(hidden_size=64 * heads["num_attention_heads"], **heads)
+    cache = saved(model, bits, tmp_path / "cache.snapkv")
+    layers = native_decode.question_layers(model)
+    question = ids(QUESTION, 2)
+    found = {}
+    for way in ("restored", "coded"):
+        taken = coded_calls(monkeypatch)
+        if way == "restored":
+            monkeypatch.setattr(coded_attention, "attend_and_cut", lambda *a: None)
+            monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
+        working = cache.to_dynamic_cache(model.config, into_room=True)
+        plan = CompressionPlan(Cut(64, 8), window=QUESTION)
+        logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers)
+        found[way] = (logits, plan.kept, [(layer.keys, layer.values) for layer in working.layers])
+        monkeypatch.undo()
+    assert taken == [True] * len(model.model.layers)  # the coded pass took every layer from its codes
+    (restored_logits, restored_kept, restored_states), (logits, kept, states) = found.values()
+    assert torch.allclose(logits, restored_logits, rtol=1e-4, atol=1e-5 * restored_logits.abs().max())
+    assert kept.keys() == restored_kept.keys() == set(range(len(model.model.layers)))
+    assert all(torch.equal(kept[i], restored_kept[i]) for i in kept)
+    for (keys, values), (restored_keys, restored_values) in zip(states, restored_states):
+        assert keys.shape == (1, heads["num_key_value_heads"], Cut(64, 8).prefix_keep + QUESTION, 64)
+        for states, restored in ((keys, restored_keys), (values, restored_values)):
+            assert torch.equal(states[..., :-QUESTION, :], restored[..., :-QUESTION, :])  # stored rows: to the bit
+            assert torch.allclose(states[..., -QUESTION:, :], restored[..., -QUESTION:, :], atol=1e-5)  # the question's
+
+
+def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monkeypatch):
+    """answer() over a deferred cache takes the coded path in every layer its cut applies to, and gives the tokens
+    the restored path gives; native=False (PyTorch's ops, the model's bits) and a question without a cut never
+    call it."""
+    model = on_blocks(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
+    question = ids(QUESTION, 2)
+    taken = coded_calls(monkeypatch)
+    tokens = list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8))
+    assert taken == [True] * len(model.model.layers)
+    taken.clear()
+    assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, native=False)) == tokens
+    assert list(answer(model, cache, question, per_question=None, max_new_tokens=8))
+    assert taken == []
+    monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
+    assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8)) == tokens
+
+
+def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vector_width):
+    """None (and nothing changed) where the codes are not what the kernel reads: keys and values whose sharper
+    positions differ, head_dim not a multiple of 64, a CPU without AVX-512."""
+    model = on_blocks(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
+    question = ids(QUESTION, 2)
+    plan = CompressionPlan(Cut(64, 8), window=QUESTION)
+    attention = model.model.layers[0].self_attn
+    query, key, value = torch.randn(1, 2, QUESTION, 64), torch.randn(1, 1, QUESTION, 64), torch.randn(1, 1, QUESTION, 64)
+
+    def first_layer(stored_values=None):
+        working = cache.to_dynamic_cache(model.config, into_room=True)
+        layer = working.layers[0]
+        if stored_values is not None:
+            layer.stored_values = stored_values
+        return layer
+
+    assert coded_attention.attend_and_cut(attention, query, key, value, first_layer(), plan) is not None
+    values = first_layer().stored_values
+    flipped = values.sharp.clone()
+    flipped[0, [int(flipped[0].nonzero()[0]), int((~flipped[0]).nonzero()[0])]] ^= True  # as many, other positions
+    restored = cache.values[0]  # (kv_heads, kept, head_dim), restored whole
+    other = quantize_mixed(restored, flipped, *[stored_schemes(bits, 64)[1] for bits in (Bits(8, 4), Bits(3, 2))])
+    layer = first_layer(other)
+    assert coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None and not layer.restored
+    vector_width(False)
+    layer = first_layer()
+    assert coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None and not layer.restored
+    vector_width(True)
+    small = on_blocks(num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
+    small_cache = saved(small, Bits(4, 3), tmp_path / "small.snapkv")
+    layer = small_cache.to_dynamic_cache(small.config, into_room=True).layers[0]
+    assert coded_attention.attend_and_cut(small.model.layers[0].self_attn, torch.randn(1, 4, QUESTION, 16),
+                                          torch.randn(1, 2, QUESTION, 16), torch.randn(1, 2, QUESTION, 16), layer,
+                                          plan) is None
+    assert question.shape == (QUESTION,)
+
+
+def test_columns_of_a_sharper_share_in_c_and_in_pytorch(monkeypatch):
+    """Mixed.column_of_positions: a head's sharper positions numbered first, in order, then the rest; the C pass and
+    PyTorch's ops agree."""
+    sharp = torch.tensor([[True, False, False, True, False], [False, True, True, False, False]])
+    keys = torch.randn(2, 5, 64)
+    high, low = stored_schemes(Bits(8, 4), 64)[0], stored_schemes(Bits(3, 2), 64)[0]
+    expected = torch.tensor([[0, 2, 3, 1, 4], [2, 0, 1, 3, 4]])
+    assert torch.equal(quantize_mixed(keys, sharp, high, low).column_of_positions(), expected)
+    monkeypatch.setenv(native.DISABLE, "0")
+    mixed = quantize_mixed(keys, sharp, high, low)
+    assert isinstance(mixed, Mixed) and torch.equal(mixed.column_of_positions(), expected)
