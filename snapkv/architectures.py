@@ -6,6 +6,7 @@ projections, norms and RoPE function, exactly as the layer's forward computes th
 """
 
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +42,20 @@ def check_supported(model: nn.Module) -> str:
     return model_type
 
 
+_found_layers: "weakref.WeakKeyDictionary[nn.Module, tuple[AttentionLayer, ...]]" = weakref.WeakKeyDictionary()
+
+
 def attention_layers(model: nn.Module) -> list[AttentionLayer]:
-    """The decoder's attention modules in layer order."""
+    """The decoder's attention modules in layer order. Found once per model, then remembered while it lives (a
+    walk over every module: ~1.5 ms for the embedded model, twice in each follow-up question otherwise); snapkv
+    never replaces a loaded model's attention modules."""
+    found = _found_layers.get(model)
+    if found is None:
+        found = _found_layers[model] = tuple(_walked_attention_layers(model))
+    return list(found)
+
+
+def _walked_attention_layers(model: nn.Module) -> list[AttentionLayer]:
     check_supported(model)
     layers = []
     for name, module in model.named_modules():

@@ -117,11 +117,11 @@ static int readable(const coded *c, int64_t extent) {
     return extent > 0;
 }
 
-WIDE static int attend_coded_wide(const float *query, const float *rotated_query, int64_t kv_heads, int64_t rows, int64_t question,
-                 float scale, int64_t head_dim, int parts, const void *const *part_pointers,
-                 const int64_t *part_shapes, const float *question_keys, const float *question_values,
-                 const float *tail_mask, float *weights, float *out, int64_t window, float *window_sums,
-                 int threads) {
+WIDE static int attend_coded_wide(const float *query, const float *rotated_query, int64_t kv_heads, int64_t rows,
+                                  int64_t question, float scale, int64_t head_dim, int parts,
+                                  const void *const *part_pointers, const int64_t *part_shapes,
+                                  const float *question_keys, const float *question_values, const float *tail_mask,
+                                  float *weights, float *out, int64_t window, float *window_sums, int threads) {
     if (head_dim % WIDE_TILE || head_dim > MAX_HEAD_DIM || kv_heads < 1 || rows < 1
         || question < 1 || rows % question || parts < 1 || parts > MAX_PARTS)
         return -1;
@@ -148,21 +148,22 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
     first_tile[parts + 1] = first_tile[parts] + (question + WIDE_TILE - 1) / WIDE_TILE;
     const int64_t tokens = first_column[parts + 1], tiles = first_tile[parts + 1];
     const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+    const int64_t shares = threads > 1 ? threads : 1;  /* of each head's tiles: a task each */
     float *scaled[kv_heads], *rotated[kv_heads];  /* per KV head, its rows scaled and padded, as they are and rotated */
     int missing = 0;
     for (int64_t h = 0; h < kv_heads; h++) {
         missing |= !(scaled[h] = padded_rows(query + h * rows * head_dim, rows, head_dim, scale));
         missing |= !(rotated[h] = padded_rows(rotated_query + h * rows * head_dim, rows, head_dim, scale));
     }
-    float *tile_maxima = malloc(sizeof(float) * (size_t)(kv_heads * tiles * rows));  /* (kv_heads, tiles, rows) */
-    float *inverse_sums = malloc(sizeof(float) * (size_t)(kv_heads * rows));
-    const int64_t shares = threads > 1 ? threads : 1;  /* of each head's tiles of values */
-    float *partials = malloc(sizeof(float) * (size_t)(kv_heads * shares * rows * head_dim));  /* (kv_heads, shares, rows, head_dim) */
-    if (missing || !tile_maxima || !inverse_sums || !partials) {
-        free(partials);
+    /* per task (kv_heads, shares): each row's weighted values, running largest score and sum of numerators; per tile
+     * (kv_heads, tiles, rows): the largest score its numerators were taken against */
+    float *partials = calloc((size_t)(kv_heads * shares * rows * head_dim), sizeof(float));
+    float *running = malloc(sizeof(float) * (size_t)(kv_heads * shares * rows * 2));
+    float *references = malloc(sizeof(float) * (size_t)(kv_heads * tiles * rows));
+    float *finals = malloc(sizeof(float) * (size_t)(kv_heads * rows * 2));  /* per row: its largest score, 1 / sum */
+    if (missing || !partials || !running || !references || !finals) {
         for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]), free(rotated[h]);
-        free(tile_maxima);
-        free(inverse_sums);
+        free(partials), free(running), free(references), free(finals);
         return -1;
     }
     unpacker key_unpackers[MAX_PARTS], value_unpackers[MAX_PARTS];
@@ -172,58 +173,47 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
     }
 #pragma omp parallel num_threads(threads)
     {
-        float tile[MAX_HEAD_DIM * WIDE_TILE] __attribute__((aligned(64)));
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < kv_heads * tiles; task++) {  /* scores: one tile of keys, every row */
-            const int64_t h = task / tiles, t = task % tiles;
-            int i = 0;
-            while (t >= first_tile[i + 1]) i++;  /* the part this tile is in (parts: the question) */
-            const int64_t first = (t - first_tile[i]) * WIDE_TILE, column = first_column[i] + first;
-            const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
-            const float *rows_in = scaled[h];
-            if (i == parts) {
-                transposed_wide_tile(question_keys + (h * question + first) * head_dim, count, head_dim, tile);
-            } else {
-                key_tile(&stored[i], &key_unpackers[i], h, first, head_dim, tile);
-                if (stored[i].rotated_keys) rows_in = rotated[h];
-            }
-            rows_times_tile(rows_in, rows, head_dim, tile, count, weights + h * rows * tokens + column, tokens, 1);
-            finish_score_tile(weights + h * rows * tokens + column, rows, tokens, column, count, tail_mask, question,
-                              tile_maxima + task * rows);
-        }
-        /* the softmax's numerators, as attend_rows makes them */
-        const int64_t task_rows = window_sums ? question : 1;
-#pragma omp for schedule(static)
-        for (int64_t task = 0; task < kv_heads * rows / task_rows; task++)
-            for (int64_t r = task * task_rows; r < (task + 1) * task_rows; r++) {
-                float *row = weights + r * tokens;
-                const int64_t h = r / rows, i = r % question;
-                float top = -INFINITY;
-                for (int64_t t = 0; t < tiles; t++) {
-                    const float tile_top = tile_maxima[(h * tiles + t) * rows + r % rows];
-                    top = tile_top > top ? tile_top : top;
-                }
-                const float inverse = 1.0f / row_exponentials_wide(row, tokens, top);
-                inverse_sums[r] = inverse;
-                if (window_sums && i >= question - window) {
-                    float *sums = window_sums + r / question * tokens;
-                    if (i == question - window) for (int64_t j = 0; j < tokens; j++) sums[j] = row[j] * inverse;
-                    else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j] * inverse;
-                }
-            }
-        /* values: a share of one head's tiles of values (each decoded once), for every row block: partial sums, each
-         * carried on from the tile before; the shares are added up below */
+        float tile[MAX_HEAD_DIM * WIDE_TILE] __attribute__((aligned(64)));  /* keys (head_dim, 64), then values (64, head_dim) */
+        float maxima[rows];
+        /* each task: one share of a head's tiles, every row, in one pass a tile at a time (the online softmax of
+         * FlashAttention, arXiv 2205.14135): the tile's scores, their numerators against each row's largest score so
+         * far (the row's earlier sums scaled down where it grew), then the tile's values added in while its numerators
+         * are still in the nearest cache */
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * shares; task++) {
             const int64_t h = task / shares, share = task % shares;
-            const int64_t first_of_share = tiles * share / shares, end_of_share = tiles * (share + 1) / shares;
             float *partial = partials + task * rows * head_dim;  /* (rows, head_dim) */
-            if (first_of_share == end_of_share) memset(partial, 0, sizeof(float) * (size_t)(rows * head_dim));
-            for (int64_t t = first_of_share; t < end_of_share; t++) {
+            float *top = running + task * rows * 2, *total = top + rows;
+            for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
+            for (int64_t t = tiles * share / shares; t < tiles * (share + 1) / shares; t++) {
                 int i = 0;
-                while (t >= first_tile[i + 1]) i++;
+                while (t >= first_tile[i + 1]) i++;  /* the part this tile is in (parts: the question) */
                 const int64_t first = (t - first_tile[i]) * WIDE_TILE, column = first_column[i] + first;
                 const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
+                const float *rows_in = scaled[h];
+                if (i == parts) {
+                    transposed_wide_tile(question_keys + (h * question + first) * head_dim, count, head_dim, tile);
+                } else {
+                    key_tile(&stored[i], &key_unpackers[i], h, first, head_dim, tile);
+                    if (stored[i].rotated_keys) rows_in = rotated[h];
+                }
+                float *scores = weights + h * rows * tokens + column;  /* (rows, count), rows `tokens` apart */
+                rows_times_tile(rows_in, rows, head_dim, tile, count, scores, tokens, 1);
+                finish_score_tile(scores, rows, tokens, column, count, tail_mask, question, maxima);
+                for (int64_t r = 0; r < rows; r++) {
+                    if (maxima[r] > top[r]) {  /* a larger score: what the row summed so far, scaled to it */
+                        const float shrink = expf(top[r] - maxima[r]);  /* 0 while top is -inf */
+                        total[r] *= shrink;
+                        for (int64_t c = 0; c < head_dim; c++) partial[r * head_dim + c] *= shrink;
+                        top[r] = maxima[r];
+                    }
+                    references[(h * tiles + t) * rows + r] = top[r];
+                    if (top[r] == -INFINITY) {  /* every score so far masked: no weight */
+                        memset(scores + r * tokens, 0, sizeof(float) * (size_t)count);
+                        continue;
+                    }
+                    total[r] += row_exponentials_wide(scores + r * tokens, count, top[r]);
+                }
                 const float *values = question_values + (h * question + first) * head_dim;
                 if (i < parts) {
                     value_tile(&stored[i], &value_unpackers[i], h, first, count, head_dim, tile);
@@ -233,27 +223,67 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
                     const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
                     const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
                     for (int r = 0; r < ROW_BLOCK; r++)
-                        a[r] = weights + (h * rows + block * ROW_BLOCK + (r < live ? r : 0)) * tokens + column;
+                        a[r] = scores + (block * ROW_BLOCK + (r < live ? r : 0)) * tokens;
                     for (int64_t c = 0; c < head_dim; c += WIDE_TILE)
                         wide_tile_product(a, values + c, head_dim, count, partial + block * ROW_BLOCK * head_dim + c,
-                                          head_dim, (int)live, WIDE_TILE, t > first_of_share);
+                                          head_dim, (int)live, WIDE_TILE, 1);
                 }
             }
         }
+        /* each row's shares brought to its largest score and added: the softmax's weighted sum */
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < kv_heads * rows; r++) {  /* the shares added, divided by the row's sum of weights */
-            const float *partial = partials + ((r / rows) * shares * rows + r % rows) * head_dim;
+        for (int64_t r = 0; r < kv_heads * rows; r++) {
+            const int64_t h = r / rows, row = r % rows;
+            float largest = -INFINITY, sum = 0.0f, factors[shares];
+            for (int64_t share = 0; share < shares; share++) {
+                const float share_top = running[((h * shares + share) * rows) * 2 + row];
+                largest = share_top > largest ? share_top : largest;
+            }
+            for (int64_t share = 0; share < shares; share++) {
+                const float *task_top = running + (h * shares + share) * rows * 2;
+                factors[share] = task_top[row] == -INFINITY ? 0.0f : expf(task_top[row] - largest);
+                sum += task_top[rows + row] * factors[share];
+            }
+            const float inverse = 1.0f / sum;
+            finals[2 * r] = largest;
+            finals[2 * r + 1] = inverse;
             for (int64_t c = 0; c < head_dim; c++) {
-                float total = partial[c];
-                for (int64_t share = 1; share < shares; share++) total += partial[share * rows * head_dim + c];
-                out[r * head_dim + c] = total * inverse_sums[r];
+                float weighted = 0.0f;
+                for (int64_t share = 0; share < shares; share++)
+                    weighted += partials[((h * shares + share) * rows + row) * head_dim + c] * factors[share];
+                out[r * head_dim + c] = weighted * inverse;
+            }
+        }
+        /* the window's rows' softmax summed per query head, a tile of columns at a time: each numerator brought to
+         * its row's largest score and divided by its row's sum */
+        if (window_sums) {
+            const int64_t heads_per_kv = rows / question;
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < kv_heads * heads_per_kv * tiles; task++) {
+                const int64_t h = task / (heads_per_kv * tiles), g = task / tiles % heads_per_kv, t = task % tiles;
+                int i = 0;
+                while (t >= first_tile[i + 1]) i++;
+                const int64_t column = first_column[i] + (t - first_tile[i]) * WIDE_TILE;
+                const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
+                float *sums = window_sums + (h * heads_per_kv + g) * tokens + column;
+                for (int64_t j = 0; j < count; j++) sums[j] = 0.0f;
+                for (int64_t q = question - window; q < question; q++) {
+                    const int64_t row = g * question + q, r = h * rows + row;
+                    const float reference = references[(h * tiles + t) * rows + row];
+                    if (reference == -INFINITY) continue;
+                    const __m512 factor = _mm512_set1_ps(expf(reference - finals[2 * r]) * finals[2 * r + 1]);
+                    const float *numerators = weights + r * tokens + column;
+                    for (int v = 0; v * 16 < count; v++) {
+                        const __mmask16 lanes = columns_before(count, v);
+                        const __m512 added = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, numerators + 16 * v), factor);
+                        _mm512_mask_storeu_ps(sums + 16 * v, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + 16 * v), added));
+                    }
+                }
             }
         }
     }
     for (int64_t h = 0; h < kv_heads; h++) free(scaled[h]), free(rotated[h]);
-    free(tile_maxima);
-    free(inverse_sums);
-    free(partials);
+    free(partials), free(running), free(references), free(finals);
     return 0;
 }
 
