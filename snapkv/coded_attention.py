@@ -21,8 +21,8 @@ import torch
 from . import native
 from .compress import CompressionPlan
 from .deferred import RestoringLayer
-from .quantize import CHANNELS, TOKENS, Mixed, Quantized, _rotate
-from .scoring import kept_indices
+from .methods import SnapKV
+from .quantize import CHANNELS, TOKENS, Mixed, Quantized
 
 READABLE_BITS = (2, 3, 4, 8)
 
@@ -55,11 +55,6 @@ def _pointer_array(values: list[int], kind) -> ctypes.Array:
     return (kind * len(values))(*values)
 
 
-def _column_of_positions(stored_keys) -> torch.Tensor | None:
-    """Mixed.column_of_positions, or None for one part (its columns are the positions)."""
-    return stored_keys.column_of_positions() if isinstance(stored_keys, Mixed) else None
-
-
 @torch.inference_mode()
 def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer,
                    plan: CompressionPlan) -> torch.Tensor | None:
@@ -67,74 +62,38 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     cut to the plan and holding only its kept positions (plan.kept updated as cut_layer does); None where this path
     does not apply (nothing is changed then). query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim):
     the question's rows after RoPE (query, key), fp32."""
-    if not isinstance(layer, RestoringLayer) or layer.restored or native.unavailable_reason() is not None:
+    method = plan.cut.method
+    if (not isinstance(layer, RestoringLayer) or layer.restored or not isinstance(method, SnapKV)
+            or native.unavailable_reason() is not None):
         return None
     parts = _parts(layer.stored_keys, layer.stored_values)
     _, heads, rows, head_dim = query.shape
-    kv_heads, stored = layer.stored_keys.shape[0], layer.stored_keys.shape[1]
-    method = plan.cut.method
+    kv_heads, stored, _ = layer.stored_keys.shape
     window = min(plan.window, rows)
     if (parts is None or not _readable(parts, head_dim) or query.dtype != torch.float32 or query.shape[0] != 1
-            or heads % kv_heads or not hasattr(method, "score_window_sums")
-            or stored + rows <= plan.prefix_keep + window):
+            or heads % kv_heads or stored + rows <= plan.prefix_keep + window):
         return None
     group = heads // kv_heads
-    values_rotated = parts[0][1].scheme.rotated
-    grouped = query.contiguous().view(kv_heads, group * rows, head_dim)  # each KV head's query heads, one after another
-    rotated = _rotate(grouped) if any(keys.scheme.rotated for keys, _ in parts) else grouped
-    question_keys = key[0].contiguous()  # (kv_heads, q, head_dim)
-    question_values = (_rotate(value[0]) if values_rotated else value[0]).contiguous()
-    tail = torch.zeros(rows, rows).masked_fill_(torch.ones(rows, rows, dtype=torch.bool).triu(1), float("-inf"))
-    columns = stored + rows
-    weights = torch.empty(kv_heads, group * rows, columns)  # the kernel's room for scores and numerators
-    output = torch.empty(kv_heads, group * rows, head_dim)
-    sums = torch.empty(kv_heads, group, columns)
-    tensors = [(keys.packed.contiguous(), keys.scale.contiguous(), keys.minimum.contiguous(), values.packed.contiguous(),
-                values.scale.contiguous(), values.minimum.contiguous()) for keys, values in parts]
-    pointers = _pointer_array([t.data_ptr() for part in tensors for t in part], ctypes.c_void_p)
+    kept = min(plan.prefix_keep, stored + rows - window) + window
+    rotated = any(keys.scheme.rotated or values.scheme.rotated for keys, values in parts)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    output = torch.empty(kv_heads, group * rows, head_dim)  # each KV head's query heads' rows, one after another
+    indices = torch.empty(1, kv_heads, kept, dtype=torch.int64)
+    kept_keys, kept_values = torch.empty(1, kv_heads, kept, head_dim), torch.empty(1, kv_heads, kept, head_dim)
+    pointers = _pointer_array([t.data_ptr() for keys, values in parts for t in (
+        keys.packed, keys.scale, keys.minimum, values.packed, values.scale, values.minimum)], ctypes.c_void_p)
     shapes = _pointer_array([number for keys, values in parts for number in (
         keys.shape[1], keys.scheme.bits, keys.scheme.group, int(keys.scheme.rotated), values.scheme.bits,
         values.scheme.group)], ctypes.c_int64)
-    if native.kernels().attend_coded(
-            grouped.data_ptr(), rotated.data_ptr(), kv_heads, group * rows, rows, module.scaling, head_dim, len(parts),
-            pointers, shapes, question_keys.data_ptr(), question_values.data_ptr(), tail.data_ptr(),
-            weights.data_ptr(), output.data_ptr(), window, sums.data_ptr(), torch.get_num_threads()) != 0:
-        return None
-    if values_rotated:  # back from the basis the values are stored in
-        output = _rotate(output)
-    column_of = _column_of_positions(layer.stored_keys)
-    if column_of is not None:  # the stored columns back in position order
-        sums[..., :stored] = sums[..., :stored].gather(-1, column_of.unsqueeze(1).expand(kv_heads, group, stored))
-    scores = method.score_window_sums(sums.unsqueeze(0)[..., : columns - window])  # (1, kv_heads, columns - window)
-    indices = kept_indices(scores, plan.prefix_keep, window)  # (1, kv_heads, kept), ascending
-    layer.keys, layer.values = _restored_positions(layer, parts, indices[0], column_of, key[0], value[0])
+    column_of = layer.stored_keys.column_of_positions() if isinstance(layer.stored_keys, Mixed) else None
+    if native.kernels().attend_coded_and_cut(
+            query.data_ptr(), kv_heads, group * rows, rows, module.scaling, head_dim, len(parts), pointers, shapes,
+            (head_dim & -head_dim) if rotated else 0, int(parts[0][1].scheme.rotated), key.data_ptr(),
+            value.data_ptr(), None if column_of is None else column_of.data_ptr(), method.kernel,
+            int(method.pooling == "max"), plan.prefix_keep, window, output.data_ptr(), indices.data_ptr(), kept,
+            kept_keys.data_ptr(), kept_values.data_ptr(), torch.get_num_threads()) != 0:
+        return None  # a NaN score, or memory ran out: the restored path decides
+    layer.keys, layer.values = kept_keys, kept_values
     layer.restored = True
     plan.kept[module.layer_idx] = indices
     return output.view(heads, rows, head_dim).transpose(0, 1).reshape(1, rows, heads * head_dim)
-
-
-def _restored_positions(layer, parts: list[tuple[Quantized, Quantized]], indices: torch.Tensor,
-                        column_of: torch.Tensor | None, question_keys: torch.Tensor,
-                        question_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's keys and values (1, kv_heads, kept, head_dim) at `indices` (kv_heads, kept) positions: the stored
-    ones restored from their parts (row for row as the whole layer's restore gives them), the question's copied."""
-    kv_heads, kept = indices.shape
-    stored, head_dim = layer.stored_keys.shape[1], layer.stored_keys.shape[2]
-    positions = indices.contiguous()
-    restored = []
-    for kind, question_rows in ((0, question_keys), (1, question_values)):
-        chosen = [part[kind] for part in parts]
-        tensors = [t.contiguous() for part in chosen for t in (part.packed, part.scale, part.minimum)]
-        shapes = [number for part in chosen for number in (
-            part.shape[1], part.scheme.bits, int(part.scheme.axis == TOKENS), part.scheme.group,
-            (head_dim & -head_dim) if part.scheme.rotated else 0)]
-        rows = question_rows.contiguous()
-        out = torch.empty(1, kv_heads, kept, head_dim)
-        if native.kernels().dequantize_positions(
-                _pointer_array([t.data_ptr() for t in tensors], ctypes.c_void_p), _pointer_array(shapes, ctypes.c_int64),
-                len(chosen), None if column_of is None else column_of.data_ptr(), kv_heads, stored, head_dim,
-                positions.data_ptr(), kept, rows.data_ptr(), rows.shape[1], out.data_ptr(),
-                torch.get_num_threads()) != 0:
-            raise RuntimeError("snapkv's kernels refused a saved layer's kept rows")  # never expected: all checked
-        restored.append(out)
-    return restored[0], restored[1]

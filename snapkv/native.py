@@ -23,7 +23,7 @@ from importlib import resources
 from .paths import snapkv_home
 
 SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c", "decode_step.c", "window_cut.c", "coded_attention.c")
-HEADERS = ("simd.h", "tiles.h")  # included by the sources: written beside them, part of the library's digest
+HEADERS = ("simd.h", "tiles.h", "hadamard.h")  # included by the sources: written beside them, part of the library's digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "SNAPKV_NATIVE_KERNELS"  # =0 turns the kernels off (measure against PyTorch)
@@ -93,11 +93,10 @@ def _load() -> ctypes.CDLL:
                                         size, pointer, pointer, ctypes.c_int, ctypes.c_int]
     library.attend_rows.argtypes = [pointer, size, size, size, ctypes.c_float, pointer, size, pointer, size, size, size,
                                     pointer, pointer, pointer, size, pointer, ctypes.c_int]
-    library.attend_coded.argtypes = [pointer, pointer, size, size, size, ctypes.c_float, size, ctypes.c_int, pointer,
-                                     pointer, pointer, pointer, pointer, pointer, pointer, size, pointer,
-                                     ctypes.c_int]  # snapkv.coded_attention
-    library.dequantize_positions.argtypes = [pointer, pointer, ctypes.c_int, pointer, size, size, size, pointer, size,
-                                             pointer, size, pointer, ctypes.c_int]
+    library.attend_coded_and_cut.argtypes = [pointer, size, size, size, ctypes.c_float, size, ctypes.c_int, pointer,
+                                             pointer, size, ctypes.c_int, pointer, pointer, pointer, ctypes.c_int,
+                                             ctypes.c_int, size, size, pointer, pointer, size, pointer, pointer,
+                                             ctypes.c_int]  # snapkv.coded_attention
     library.linear_rows.argtypes = [pointer, size, size, pointer, size, pointer, ctypes.c_int]
     library.linear_rows_blocks.argtypes = [pointer, size, size, ctypes.c_int, pointer, pointer, pointer, size, pointer,
                                            ctypes.c_int]
@@ -120,8 +119,7 @@ def _load() -> ctypes.CDLL:
     for function in (library.matmul_4bit, library.matmul_8bit, library.dequantize_rows, library.attend_rows,
                      library.linear_rows, library.linear_rows_blocks, library.decode_token, library.window_scores,
                      library.top_positions, library.gather_rows, library.part_rows, library.rope_rows,
-                     library.question_before_attention, library.question_after_attention, library.attend_coded,
-                     library.dequantize_positions):
+                     library.question_before_attention, library.question_after_attention, library.attend_coded_and_cut):
         function.restype = ctypes.c_int
     return library
 
@@ -132,7 +130,7 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 def kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
     decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, part_columns, rope_rows,
-    question_before_attention, question_after_attention, attend_coded, dequantize_positions), or NativeUnavailable. Built and loaded once per process."""
+    question_before_attention, question_after_attention, attend_coded_and_cut), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:
             _loaded["library"] = _load()

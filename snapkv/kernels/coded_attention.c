@@ -27,6 +27,7 @@
  *   question_keys, question_values: (kv_heads, question, head_dim) fp32, the values in the basis of the parts' values
  * Needs AVX-512 (wide_vectors); head_dim a multiple of 64 up to MAX_HEAD_DIM; groups multiples of 16 (a value group
  * dividing head_dim); bits 2, 3, 4 or 8. Returns 0, or -1 for anything else or when memory runs out. */
+#include "hadamard.h"
 #include "tiles.h"
 
 #define MAX_PARTS 2
@@ -287,13 +288,100 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
     return 0;
 }
 
-int attend_coded(const float *query, const float *rotated_query, int64_t kv_heads, int64_t rows, int64_t question,
-                 float scale, int64_t head_dim, int parts, const void *const *part_pointers,
-                 const int64_t *part_shapes, const float *question_keys, const float *question_values,
-                 const float *tail_mask, float *weights, float *out, int64_t window, float *window_sums,
-                 int threads) {
-    if (!wide_vectors(-1)) return -1;  /* AVX-512 only past this check */
-    return attend_coded_wide(query, rotated_query, kv_heads, rows, question, scale, head_dim, parts, part_pointers,
-                             part_shapes, question_keys, question_values, tail_mask, weights, out, window,
-                             window_sums, threads);
+/* window_cut.c's and dequantize.c's steps, called in turn below */
+int window_scores(const float *weights, int64_t kv_heads, int64_t group, int64_t window, int64_t columns,
+                  int64_t head_stride, int64_t group_stride, int64_t row_stride, int kernel, int pooling,
+                  float *scores, int threads);
+int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t keep, int64_t window,
+                  int64_t *indices, int threads);
+int dequantize_positions(const void *const *part_pointers, const int64_t *part_shapes, int parts,
+                         const int64_t *column_of, int64_t heads, int64_t stored, int64_t head_dim,
+                         const int64_t *positions, int64_t kept, const float *question_rows, int64_t question,
+                         float *out, int threads);
+
+/* rows (count, head_dim) copied to `to`, each block of `block` channels times the orthonormal Hadamard matrix. */
+static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int64_t block, float *to) {
+    const float norm = (float)(1.0 / sqrt((double)block));
+    memcpy(to, rows, sizeof(float) * (size_t)(count * head_dim));
+    for (int64_t r = 0; r < count; r++) hadamard_blocks(to + r * head_dim, head_dim, block, norm);
+}
+
+/* attend_coded, then SnapKV's cut of the layer (snapkv.compress.cut_layer's steps) in the same call, so that no step
+ * waits on Python or on waking threads: the window's sums put back in position order (column_of, NULL for one part),
+ * pooled and averaged per KV head (window_scores), the best `prefix_keep` positions and the question's own
+ * (top_positions), and the keys and values at them restored (dequantize_positions: the same bits as the whole layer's
+ * restore). The query rows, the question's values and the output are rotated here (rotation_block: the Hadamard block
+ * of the rotated parts; values_rotated: the values' basis).
+ *   query: (kv_heads, rows, head_dim) after RoPE, not rotated; question_keys, question_values: (kv_heads, question,
+ *   head_dim) as the layer computed them; out: (kv_heads, rows, head_dim); indices: (kv_heads, kept) out, ascending;
+ *   keys_out, values_out: (kv_heads, kept, head_dim) out. kept must be min(prefix_keep, tokens - window) + window.
+ * Returns 0, -1 for a shape it does not take or when memory runs out (nothing to use then), -2 for a NaN score. */
+int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                         int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
+                         int64_t rotation_block, int values_rotated, const float *question_keys,
+                         const float *question_values, const int64_t *column_of, int kernel, int pooling,
+                         int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
+                         float *keys_out, float *values_out, int threads) {
+    if (!wide_vectors(-1) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
+        || window < 1 || window > question || prefix_keep < 0 || head_dim > MAX_HEAD_DIM
+        || (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)))
+        return -1;
+    int64_t stored = 0;
+    const void *key_pointers[3 * MAX_PARTS], *value_pointers[3 * MAX_PARTS];
+    int64_t key_shapes[5 * MAX_PARTS], value_shapes[5 * MAX_PARTS];
+    for (int i = 0; i < parts; i++) {  /* each kind's parts as dequantize_positions reads them */
+        const void *const *pointers = part_pointers + 6 * i;
+        const int64_t *shape = part_shapes + 6 * i;
+        stored += shape[0];
+        for (int k = 0; k < 3; k++) key_pointers[3 * i + k] = pointers[k], value_pointers[3 * i + k] = pointers[3 + k];
+        const int64_t key_shape[5] = {shape[0], shape[1], 1, shape[2], shape[3] ? rotation_block : 0};
+        const int64_t value_shape[5] = {shape[0], shape[4], 0, shape[5], values_rotated ? rotation_block : 0};
+        memcpy(key_shapes + 5 * i, key_shape, sizeof key_shape);
+        memcpy(value_shapes + 5 * i, value_shape, sizeof value_shape);
+        if ((shape[3] || values_rotated) && !rotation_block) return -1;
+    }
+    const int64_t tokens = stored + question, prefix = tokens - window, group = rows / question;
+    if (kept != (prefix_keep < prefix ? prefix_keep : prefix) + window) return -1;
+    float *rotated = malloc(sizeof(float) * (size_t)(kv_heads * rows * head_dim));
+    float *own_values = malloc(sizeof(float) * (size_t)(kv_heads * question * head_dim));
+    float *tail = malloc(sizeof(float) * (size_t)(question * question));
+    float *weights = malloc(sizeof(float) * (size_t)(kv_heads * rows * tokens));
+    float *sums = malloc(sizeof(float) * (size_t)(kv_heads * group * tokens));  /* (kv_heads, group, tokens) */
+    float *scores = malloc(sizeof(float) * (size_t)(kv_heads * (prefix > 0 ? prefix : 1)));
+    int status = -1;
+    if (!rotated || !own_values || !tail || !weights || !sums || !scores) goto done;
+    if (rotation_block) rotated_rows(query, kv_heads * rows, head_dim, rotation_block, rotated);
+    else memcpy(rotated, query, sizeof(float) * (size_t)(kv_heads * rows * head_dim));
+    if (values_rotated) rotated_rows(question_values, kv_heads * question, head_dim, rotation_block, own_values);
+    else memcpy(own_values, question_values, sizeof(float) * (size_t)(kv_heads * question * head_dim));
+    for (int64_t i = 0; i < question; i++)  /* causal among the question's own tokens */
+        for (int64_t j = 0; j < question; j++) tail[i * question + j] = j > i ? -INFINITY : 0.0f;
+    status = attend_coded_wide(query, rotated, kv_heads, rows, question, scale, head_dim, parts, part_pointers,
+                               part_shapes, question_keys, own_values, tail, weights, out, window, sums, threads);
+    if (status) goto done;
+    if (values_rotated)  /* the output back from the values' basis */
+        for (int64_t r = 0; r < kv_heads * rows; r++)
+            hadamard_blocks(out + r * head_dim, head_dim, rotation_block, (float)(1.0 / sqrt((double)rotation_block)));
+    if (column_of) {  /* the stored columns back in position order (weights is free again: its room is used) */
+        for (int64_t h = 0; h < kv_heads; h++)
+            for (int64_t g = 0; g < group; g++) {
+                const float *from = sums + (h * group + g) * tokens;
+                float *to = weights + (h * group + g) * tokens;
+                for (int64_t p = 0; p < stored; p++) to[p] = from[column_of[h * stored + p]];
+                memcpy(to + stored, from + stored, sizeof(float) * (size_t)question);
+            }
+        memcpy(sums, weights, sizeof(float) * (size_t)(kv_heads * group * tokens));
+    }
+    status = window_scores(sums, kv_heads, group, 1, prefix, group * tokens, tokens, tokens, kernel, pooling, scores,
+                           threads);
+    if (!status) status = top_positions(scores, kv_heads, prefix, prefix_keep, window, indices, threads);
+    if (!status)
+        status = dequantize_positions(key_pointers, key_shapes, parts, column_of, kv_heads, stored, head_dim, indices,
+                                      kept, question_keys, question, keys_out, threads);
+    if (!status)
+        status = dequantize_positions(value_pointers, value_shapes, parts, column_of, kv_heads, stored, head_dim,
+                                      indices, kept, question_values, question, values_out, threads);
+done:
+    free(rotated), free(own_values), free(tail), free(weights), free(sums), free(scores);
+    return status;
 }
