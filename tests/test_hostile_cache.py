@@ -130,3 +130,29 @@ def test_a_cache_is_stale_once_its_document_changes(tiny_loaded, tmp_path, monke
     other.write_text("Something else entirely.")
     assert cli("info", "notes.snapkv", other).code == 5
 
+
+
+def test_damage_the_checksum_finds_is_reported_before_what_the_checks_find(tiny_loaded, cache_file, tmp_path):
+    """NaN written over a layer's scales without a new checksum is refused as damage to the contents (the payload is
+    checked first), not as the NaN the structural checks alone find; load_cache's split of the time names its parts."""
+    import torch
+
+    cache, metadata = load_cache(cache_file)
+    cache = replace(cache, payload=None, tier=replace(cache.tier, bits=8))
+    good = tmp_path / "good8.snapkv"
+    save_cache(good, cache, model=metadata["model"])
+    header, payload = split(good)
+    name = next(name for name in sorted(header) if name.endswith("values.scale"))
+    start, _ = header[name]["data_offsets"]
+    damaged = bytearray(payload)
+    damaged[start:start + 2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8).numpy().tobytes()
+    path = tmp_path / "damaged.snapkv"
+    path.write_bytes(join(header, bytes(damaged)))
+    with pytest.raises(CacheFileError, match="holds NaN"):  # what the checks alone find
+        load_cache(path, verify=False)
+    with pytest.raises(CacheFileError, match="do not match their digest"):
+        load_cache(path)
+    split_times = {}
+    assert load_cache(good, split=split_times)[0].kept_tokens == cache.kept_tokens
+    assert split_times.keys() == {"read_seconds", "digest_seconds", "restore_seconds"}
+    assert all(seconds > 0 for seconds in split_times.values())
