@@ -34,6 +34,7 @@ This module owns the schema: nothing else writes or interprets these keys. The s
 (naming, look-up, listing) is snapkv.store; the atomic write is snapkv.atomic.
 """
 
+import ctypes
 import hashlib
 import json
 import struct
@@ -368,6 +369,17 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) and torch.isfinite(high))
 
 
+def _all_finite_halves(tensors: list[torch.Tensor]) -> bool:
+    """_all_finite over many fp16 tensors at once: one pass in C over their exponent bits where the kernels are
+    available (~0.2 against 3.6 ms for an 8k-token cache's 240 scale and minimum tensors), else one concatenation."""
+    if (native.unavailable_reason() is None
+            and all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
+        pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        counts = (ctypes.c_int64 * len(tensors))(*(t.numel() for t in tensors))
+        return bool(native.kernels().half_all_finite(pointers, counts, len(tensors)))
+    return _all_finite(torch.cat([t.reshape(-1) for t in tensors]))
+
+
 def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[int, int]:
     length = metadata.get("original_length")
     layers = metadata.get("num_layers")
@@ -379,10 +391,11 @@ def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[in
 
 
 def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, length: int,
-                 identity: dict | None) -> None:
+                 identity: dict | None, from_mask: bool = False) -> None:
     """keys, values: tensors, or Quantized / Mixed parts, whose scales and minimums are checked finite
     (snapkv.quantize: at most 255 x 65504 + 65504 per value before the rotation sums a head's), so that they
-    cannot hold NaN or infinity once restored and are not read to tell."""
+    cannot hold NaN or infinity once restored and are not read to tell. from_mask: the positions were read from a
+    bit mask (_unpack_mask: ascending and in range as made), so their order and range are not checked again."""
     key_shape, value_shape = tuple(keys.shape), tuple(values.shape)
     if len(key_shape) != 3 or key_shape != value_shape or tuple(positions.shape) != key_shape[:2]:
         raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {key_shape}, "
@@ -390,7 +403,7 @@ def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, 
     if identity is not None and (key_shape[0], key_shape[2]) != (identity["kv_heads"], identity["head_dim"]):
         raise IncompatibleCacheError(f"{path}: layer {index} has {key_shape[0]} KV heads of size {key_shape[2]}, "
                                      f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
-    if positions.numel() and (positions.min() < 0 or positions.max() >= length
+    if not from_mask and positions.numel() and (positions.min() < 0 or positions.max() >= length
                               or bool((positions[:, 1:] <= positions[:, :-1]).any())):
         raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
     tensors = [part for part in (keys, values) if isinstance(part, torch.Tensor)]
@@ -491,13 +504,13 @@ def _check_finite_scales(path: Path, layers: list[tuple]) -> None:
 
     def scales_of(stored: tuple) -> list[torch.Tensor]:
         pieces = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))]
-        return [t.reshape(-1) for piece in pieces if isinstance(piece, Quantized) for t in (piece.scale, piece.minimum)]
+        return [t for piece in pieces if isinstance(piece, Quantized) for t in (piece.scale, piece.minimum)]
 
     every = [t for stored in layers for t in scales_of(stored)]
-    if not every or _all_finite(torch.cat(every)):
+    if not every or _all_finite_halves(every):
         return
     for index, stored in enumerate(layers):
-        if not _all_finite(torch.cat(scales_of(stored))):
+        if not _all_finite_halves(scales_of(stored)):
             raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
 
 
@@ -545,12 +558,13 @@ def load_cache(path: Path, *, identity: dict | None = None,
     restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     defer = (question_room > 0 and dtype in (None, restore_dtype)
              and all(torch.device(one).type == "cpu" for one in devices))
-    if metadata.get("storage", {}).get("format") == 1:
+    format_2 = metadata.get("storage", {}).get("format") != 1  # positions read from bit masks: ascending, in range
+    if not format_2:
         found = _layers_format_1(path, tensors, length, layers)
     else:
         found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, defer)
     for index, (keys, values, positions, _) in enumerate(found):
-        _check_layer(path, index, keys, values, positions, length, identity)
+        _check_layer(path, index, keys, values, positions, length, identity, from_mask=format_2)
     defer = defer and all(stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
                           for *_, stored in found)  # only quantized layers are left as stored
     span = metadata.get("document_span")

@@ -113,6 +113,8 @@ def _load() -> ctypes.CDLL:
     library.mask_positions.restype = size
     library.part_rows.argtypes = [pointer, size, size, size, pointer, size, pointer, size]
     library.part_columns.argtypes = [pointer, size, size, pointer]
+    library.half_all_finite.argtypes = [pointer, pointer, size]  # snapkv.cachefile
+    library.half_all_finite.restype = ctypes.c_int
     library.part_columns.restype = None
     library.wide_vectors.argtypes = [ctypes.c_int]  # 1/0: one row with AVX-512 where the CPU has it, or not; -1: ask
     library.wide_vectors.restype = ctypes.c_int
@@ -129,7 +131,7 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 def kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
-    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, part_columns, rope_rows,
+    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, part_columns, half_all_finite, rope_rows,
     question_before_attention, question_after_attention, attend_coded_and_cut), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:

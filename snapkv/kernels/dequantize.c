@@ -315,3 +315,19 @@ void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *
         for (int64_t t = 0; t < tokens; t++) columns[h * tokens + t] = sharp[h * tokens + t] ? high++ : low++;
     }
 }
+
+/* 1 where none of the `parts` fp16 arrays (arrays[i], counts[i] values each) holds an infinity or a NaN (all exponent
+ * bits set), else 0: a saved cache's scales and minimums checked at load in one pass (snapkv.cachefile). */
+int half_all_finite(const uint16_t *const *arrays, const int64_t *counts, int64_t parts) {
+    uint16_t exponents_seen = 0;
+    for (int64_t i = 0; i < parts; i++) {
+        const uint16_t *array = arrays[i];
+        uint16_t worst = 0;  /* the largest exponent field met, as bits: a run without branches */
+        for (int64_t j = 0; j < counts[i]; j++) {
+            const uint16_t exponent = array[j] & 0x7C00u;
+            worst = exponent > worst ? exponent : worst;
+        }
+        exponents_seen = worst > exponents_seen ? worst : exponents_seen;
+    }
+    return exponents_seen != 0x7C00u;
+}
