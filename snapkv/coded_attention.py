@@ -1,17 +1,18 @@
-"""A question's attention and cut over a saved layer read straight from its codes, for snapkv.lean_decode's question pass.
+"""A question's attention and SnapKV's cut over a saved layer read straight from its codes, for snapkv.lean_decode's
+question pass.
 
-The question's pass over a deferred cache (snapkv.deferred) restored each layer to fp32 (8k tokens of the embedded
-model: 12 MB of keys and values a layer, ~40 ms a question over 30 layers), attended over it, then kept ~1/8 of it.
-Here snapkv/kernels/coded_attention.c attends over the stored codes themselves, decoding each tile of keys or values
-into the nearest cache as it goes (the Hadamard rotation moved onto the few query rows and output rows), and only the
-positions the cut keeps are restored (dequantize.c's dequantize_chosen_rows: the same bits as the whole layer's
-restore). The attention's result and the window's scores agree with the restored path's within rounding; the cut is
-SnapKV's, from the same window sums (snapkv.compress.cut_layer's steps).
+Over a deferred cache (snapkv.deferred) the pass restored each layer to fp32 (8k tokens of the embedded model: 12 MB
+of keys and values a layer, ~40 ms of a question over 30 layers), attended over it, then kept ~1/8 of it. Here one C
+call per layer (snapkv/kernels/coded_attention.c's attend_coded_and_cut) attends over the stored codes themselves,
+decoding each tile of 64 keys or values into the nearest cache as it goes (the Hadamard rotation moved onto the few
+query and output rows), scores the positions from the window's softmax sums as SnapKV does (pooled, averaged per KV
+head), picks the best, and restores only those (the same bits as the whole layer's restore). Its output and scores
+agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same positions kept).
 
-Taken where everything fits (fp32 on a CPU with AVX-512 and snapkv's kernels; a layer stored below 16 bits as one part
-or a sharper share whose keys and values share their sharper positions; keys grouped along tokens and values along
-channels in groups of a multiple of 16; every value part rotated alike; head_dim a multiple of 64; a method that scores
-from window sums; a layer the plan cuts). Anything else returns None, and the pass restores the layer as before.
+Taken where everything fits: fp32 on a CPU with AVX-512 and snapkv's kernels; SnapKV's method; a layer the plan cuts,
+stored below 16 bits as one part or as a sharper share whose keys and values share their sharper positions; keys
+grouped along tokens and values along channels, in groups of a multiple of 16; every value part rotated alike;
+head_dim a multiple of 64. Anything else returns None, and the pass restores the layer as before.
 """
 
 import ctypes
@@ -45,9 +46,14 @@ def _readable(parts: list[tuple[Quantized, Quantized]], head_dim: int) -> bool:
         key_scheme, value_scheme = keys.scheme, values.scheme
         if (key_scheme.axis != TOKENS or value_scheme.axis != CHANNELS or key_scheme.group % 16
                 or value_scheme.group % 16 or head_dim % value_scheme.group or keys.shape[1] == 0
-                or key_scheme.bits not in READABLE_BITS or value_scheme.bits not in READABLE_BITS
-                or any(t.device.type != "cpu" for t in (keys.packed, values.packed))):
+                or key_scheme.bits not in READABLE_BITS or value_scheme.bits not in READABLE_BITS):
             return False
+        for part in (keys, values):  # read by address: as stored, on the CPU, contiguous
+            if (part.packed.dtype != torch.uint8 or part.scale.dtype != torch.float16
+                    or part.minimum.dtype != torch.float16
+                    or not all(t.device.type == "cpu" and t.is_contiguous()
+                               for t in (part.packed, part.scale, part.minimum))):
+                return False
     return True
 
 
@@ -70,8 +76,9 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     _, heads, rows, head_dim = query.shape
     kv_heads, stored, _ = layer.stored_keys.shape
     window = min(plan.window, rows)
-    if (parts is None or not _readable(parts, head_dim) or query.dtype != torch.float32 or query.shape[0] != 1
-            or heads % kv_heads or stored + rows <= plan.prefix_keep + window):
+    if (parts is None or not _readable(parts, head_dim) or query.shape[0] != 1 or heads % kv_heads
+            or any(t.dtype != torch.float32 for t in (query, key, value))
+            or stored + rows <= plan.prefix_keep + window):
         return None
     group = heads // kv_heads
     kept = min(plan.prefix_keep, stored + rows - window) + window

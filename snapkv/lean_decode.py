@@ -15,7 +15,9 @@ snapkv.native_decode runs these same layers in one C call per token instead.
 question_pass does the same for a question's tokens over a saved cache, cutting each layer as snapkv.compress's hook
 would, right after its attention; q/k/v and gate/up each in one kernel call where their blocks are fused, RoPE in one C
 call (the same bits). A follow-up at 8k tokens of the embedded model: ~7 ms of a ~0.23 s pass (interleaved runs). With
-snapkv.native_decode's QuestionLayers the parts around each attention run in C instead (within rounding).
+snapkv.native_decode's QuestionLayers the parts around each attention run in C instead (within rounding), and a layer
+of a deferred cache is attended and cut straight from its codes (snapkv.coded_attention, within rounding too) rather
+than restored whole first.
 """
 
 from contextlib import nullcontext
@@ -127,7 +129,8 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
     (None: none is) as snapkv.compress.compressing cuts it; the last token's logits (vocab,).
 
     layers: a snapkv.native_decode.QuestionLayers: each layer's parts before and after its attention in C (the same
-    formulas summed in another order: logits within rounding of these PyTorch ops'), or None: PyTorch's ops."""
+    formulas summed in another order: logits within rounding of these PyTorch ops'), and each cut layer of a deferred
+    cache attended and cut from its codes where snapkv.coded_attention takes it; or None: PyTorch's ops throughout."""
     inner = model.model
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     rows = question_ids.shape[0]

@@ -1,37 +1,36 @@
-/* A question's attention over a saved layer straight from its codes (snapkv.quantize's layout), without restoring
- * the layer to fp32 first: each tile of keys or values is decoded into the nearest cache just before the register
- * tiles (tiles.h) read it, so a layer's 8k tokens are read as ~0.8 MB of codes, not written and read again as 12 MB
- * of floats, and only the positions the question's cut keeps are restored afterwards (dequantize.c's
- * dequantize_chosen_rows).
+/* A question's attention over a saved layer straight from its codes (snapkv.quantize's layout), and SnapKV's cut of
+ * the layer after it, in one call (attend_coded_and_cut, for snapkv.coded_attention): the layer is never restored to
+ * fp32 as a whole. Each tile of 64 keys or values is decoded into the nearest cache just before the register tiles
+ * (tiles.h) read it, so an 8k-token layer of the embedded model is read as ~0.8 MB of codes rather than written and
+ * read again as 12 MB of floats; only the positions the cut keeps are restored afterwards (dequantize.c's
+ * dequantize_positions, the same bits as the whole layer's restore).
  *
  * A layer is stored as one or two parts (snapkv.quantize.Quantized, or a Mixed's sharper and other tokens, each in
- * its own bits), then come the question's own keys and values in fp32. Keys' groups run along the tokens (a channel's
- * `group` tokens share a scale and a minimum: stored channel by channel, which is the (head_dim, 64 tokens) tile the
- * scores need, with no transposes); values' groups along the channels (a token's row). A rotated part (a Hadamard
- * rotation of each head's vectors, snapkv.quantize) is never rotated back here: q . k = (H q) . (H k), so its scores
- * take the query rows rotated (`rotated_query`); and the values' weighted sum is made in the basis they are stored
- * in (every part's values in the same one, the question's own passed in it too), rotated back by the caller on the
- * few output rows. Decoding is x = code * scale + minimum, multiplied then added, as dequantize.c decodes (the same
- * fp32 values before its rotation); the scores and sums differ from attend_rows' over a restored layer within
- * rounding only (the rotation moved, the keys' order within a part kept).
+ * its own bits), then come the question's own keys and values in fp32: the columns of each KV head's rows are
+ * [part 0's tokens, part 1's tokens, the question's tokens]. Keys' groups run along the tokens (a channel's `group`
+ * tokens share a scale and a minimum, stored channel by channel: the (head_dim, 64 tokens) tile the scores need, with
+ * no transposes); values' groups along the channels (a token's row). A rotated part (a Hadamard rotation of each
+ * head's vectors) is never rotated back here: q . k = (H q) . (H k), so its scores take the query rows rotated; the
+ * values' weighted sum is made in the basis they are stored in (every part's the same; the question's own values are
+ * rotated into it) and the few output rows are rotated back. Decoding is x = code * scale + minimum, multiplied then
+ * added, as dequantize.c decodes.
  *
- * attend_coded: as few_rows.c's attend_rows (query rows, tail mask, weights, output, window sums), with the columns
- *   of each KV head's rows in the order [part 0's tokens, part 1's tokens, the question's tokens]:
- *   parts:          1 or 2
- *   part_pointers:  per part 6 pointers: key codes, key scale, key minimum, value codes, value scale, value minimum
- *                   (codes (kv_heads, other, groups, group * bits / 8) uint8; scale and minimum (kv_heads, other,
- *                   groups) fp16; keys: other = head_dim, groups along the part's tokens; values: other = tokens)
- *   part_shapes:    per part 6 int64: tokens, key bits, key group, keys rotated (0/1), value bits, value group
- *   query, rotated_query: (kv_heads, rows, head_dim) each, as attend_rows' query (rotated_query is read only for
- *                   a rotated part's keys)
- *   question_keys, question_values: (kv_heads, question, head_dim) fp32, the values in the basis of the parts' values
- * Needs AVX-512 (wide_vectors); head_dim a multiple of 64 up to MAX_HEAD_DIM; groups multiples of 16 (a value group
- * dividing head_dim); bits 2, 3, 4 or 8. Returns 0, or -1 for anything else or when memory runs out. */
+ * The attention (attend_coded_wide) is one pass a tile at a time per task (a KV head's share of the tiles, every
+ * query row): the tile's scores, their softmax numerators against each row's largest score so far (the online
+ * softmax of FlashAttention, arXiv 2205.14135: what a row summed before is scaled down where its largest grows),
+ * then the tile's values added in while the numerators are still in the nearest cache; the shares are brought to
+ * each row's largest score and added at the end. The window's sums of the softmax, which SnapKV scores from, are made
+ * from the kept numerators and each tile's reference. So the output and the sums agree with few_rows.c's attend_rows
+ * over the restored layer within fp32 rounding, not to the bit (another order of sums, the rotation moved).
+ *
+ * Layout of a part's codes: (kv_heads, other, groups, group * bits / 8) uint8, scale and minimum (kv_heads, other,
+ * groups) fp16; keys: other = head_dim, groups along the part's tokens; values: other = tokens, groups along the
+ * channels. Needs AVX-512 (wide_vectors); head_dim a multiple of 64 up to MAX_HEAD_DIM; groups multiples of 16 (a
+ * value group dividing head_dim); bits 2, 3, 4 or 8. */
 #include "hadamard.h"
 #include "tiles.h"
 
 #define MAX_PARTS 2
-#define VALUE_TILE 64  /* tokens of values decoded at a time (16 KB at head_dim 64), read by every row block of a task */
 
 typedef struct {
     const uint8_t *codes;
@@ -118,6 +117,14 @@ static int readable(const coded *c, int64_t extent) {
     return extent > 0;
 }
 
+/* The attention, for attend_coded_and_cut: as few_rows.c's attend_rows (query rows, tail mask, output, window sums)
+ * over the parts' codes and the question's own rows.
+ *   part_pointers: per part 6 pointers: key codes, key scale, key minimum, value codes, value scale, value minimum
+ *   part_shapes:   per part 6 int64: tokens, key bits, key group, keys rotated (0/1), value bits, value group
+ *   query, rotated_query: (kv_heads, rows, head_dim) each (rotated_query read for a rotated part's keys)
+ *   question_keys, question_values: (kv_heads, question, head_dim), the values in the basis of the parts' values
+ *   weights: (kv_heads, rows, tokens) room for the scores and numerators
+ * Returns 0, or -1 for a shape it does not take or when memory runs out. */
 WIDE static int attend_coded_wide(const float *query, const float *rotated_query, int64_t kv_heads, int64_t rows,
                                   int64_t question, float scale, int64_t head_dim, int parts,
                                   const void *const *part_pointers, const int64_t *part_shapes,
