@@ -52,12 +52,14 @@ def coded_calls(monkeypatch) -> list[bool]:
     return taken
 
 
-@pytest.mark.parametrize("bits", [Bits(3, 2, share=0.2, sharp=(8, 4)),  # the default: two parts, keys 8 unrotated
-                                  Bits(4, 3),  # one part, every key and value rotated
-                                  Bits(8)])  # one part, nothing rotated (the values' sum in their own basis)
+@pytest.mark.parametrize("bits, window", [
+    (Bits(3, 2, share=0.2, sharp=(8, 4)), QUESTION),  # the default: two parts, keys 8 unrotated
+    (Bits(3, 2, share=0.2, sharp=(8, 4)), QUESTION - 3),  # a window shorter than the question: its first rows are scored
+    (Bits(4, 3), QUESTION),  # one part, every key and value rotated
+    (Bits(8), QUESTION)])  # one part, nothing rotated (the values' sum in their own basis)
 @pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),
                                    dict(num_attention_heads=2, num_key_value_heads=2)])
-def test_the_coded_path_is_the_restored_path_within_rounding(bits, heads, tmp_path, monkeypatch):
+def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, heads, tmp_path, monkeypatch):
     """The same question over the same deferred cache, its attention and cut from the codes and from the layer
     restored whole: logits within fp32 rounding, the same positions kept, the kept stored rows the same to the bit
     (restored as the whole layer's restore gives them) and the question's own rows within rounding (computed from
@@ -73,7 +75,7 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, heads, tmp_pa
             monkeypatch.setattr(coded_attention, "attend_and_cut", lambda *a: None)
             monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
         working = cache.to_dynamic_cache(model.config, into_room=True)
-        plan = CompressionPlan(Cut(64, 8), window=QUESTION)
+        plan = CompressionPlan(Cut(64, 8), window=window)
         logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers)
         found[way] = (logits, plan.kept, [(layer.keys, layer.values) for layer in working.layers])
         monkeypatch.undo()
@@ -82,11 +84,12 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, heads, tmp_pa
     assert torch.allclose(logits, restored_logits, rtol=1e-4, atol=1e-5 * restored_logits.abs().max())
     assert kept.keys() == restored_kept.keys() == set(range(len(model.model.layers)))
     assert all(torch.equal(kept[i], restored_kept[i]) for i in kept)
-    for (keys, values), (restored_keys, restored_values) in zip(states, restored_states):
-        assert keys.shape == (1, heads["num_key_value_heads"], Cut(64, 8).prefix_keep + QUESTION, 64)
+    for index, ((keys, values), (restored_keys, restored_values)) in enumerate(zip(states, restored_states)):
+        assert keys.shape == (1, heads["num_key_value_heads"], Cut(64, 8).prefix_keep + window, 64)
+        stored = kept[index][0] < PROMPT  # (kv_heads, kept): the cache's positions, not the question's own
         for states, restored in ((keys, restored_keys), (values, restored_values)):
-            assert torch.equal(states[..., :-QUESTION, :], restored[..., :-QUESTION, :])  # stored rows: to the bit
-            assert torch.allclose(states[..., -QUESTION:, :], restored[..., -QUESTION:, :], atol=1e-5)  # the question's
+            assert torch.equal(states[0][stored], restored[0][stored])  # stored rows: to the bit
+            assert torch.allclose(states[0][~stored], restored[0][~stored], atol=1e-5)  # the question's
 
 
 def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monkeypatch):
