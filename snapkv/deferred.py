@@ -7,8 +7,8 @@ rows after each head's positions, where the question's keys and values are writt
 question's cut (snapkv.compress) then gathers the kept positions out of it, and the buffer serves the next layer.
 A layer that is not cut is copied out of the buffer before the next layer takes it. Anything else that reads a
 deferred cache's keys or values gets each layer restored on its own, once, as an eagerly loaded cache holds it.
-Where snapkv.coded_attention takes a layer (the embedded model's question pass in fp32 on AVX-512), the layer never
-enters the buffer: it is attended from its codes and only the positions the cut keeps are restored.
+Where snapkv.coded_attention takes a layer (snapkv.lean_decode's question pass in fp32 on a CPU with AVX-512), the layer
+never enters the buffer: it is attended from its codes and only the positions the cut keeps are restored.
 """
 
 from collections.abc import Sequence

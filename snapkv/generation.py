@@ -206,9 +206,10 @@ def answer(
     (snapkv.compiled); the eager step otherwise, or if compiling fails.
     lean: the question's pass and the eager step as snapkv.lean_decode writes them out (None: where the model
     qualifies, a plain Llama-family model on CPU), or False: the model's own forward, to measure against.
-    native: the lean step's layers in one C call, and the question pass's parts around each attention in C
+    native: the lean step's layers in one C call, the question pass's parts around each attention in C
     (snapkv.native_decode; None: where the model's projections are 4/8-bit blocks in fp32 and, for decoding, the cache
-    is presized), or False: the lean step and pass as written in PyTorch.
+    is presized), and each layer of a deferred cache attended and cut from its codes (snapkv.coded_attention, where it
+    applies); or False: the lean step and pass as written in PyTorch, every layer restored.
     """
     device = model_device(model)
     q = question_ids.shape[0]
@@ -222,7 +223,8 @@ def answer(
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
     if lean is not False and lean_decode.qualifies(model, working):
         layers = native_decode.question_layers(model) if native is not False else None
-        logits = lean_decode.question_pass(model, question_ids.to(device), start, working, plan, layers)
+        logits = lean_decode.question_pass(model, question_ids.to(device), start, working, plan, layers,
+                                           from_codes=native is not False)
     else:
         positions = torch.arange(start, start + q, device=device).unsqueeze(0)  # (1, q)
         with compressing(model, plan) if plan else nullcontext():

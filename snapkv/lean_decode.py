@@ -124,13 +124,15 @@ def _with_rope(projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
 
 @torch.inference_mode()
 def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicCache,
-                  plan: CompressionPlan | None, layers=None) -> torch.Tensor:
+                  plan: CompressionPlan | None, layers=None, from_codes: bool = False) -> torch.Tensor:
     """The question's tokens (q,) at positions start.. appended to `cache`, each compressible layer then cut by `plan`
     (None: none is) as snapkv.compress.compressing cuts it; the last token's logits (vocab,).
 
     layers: a snapkv.native_decode.QuestionLayers: each layer's parts before and after its attention in C (the same
-    formulas summed in another order: logits within rounding of these PyTorch ops'), and each cut layer of a deferred
-    cache attended and cut from its codes where snapkv.coded_attention takes it; or None: PyTorch's ops throughout."""
+    formulas summed in another order: logits within rounding of these PyTorch ops'), or None: PyTorch's ops.
+    from_codes: each cut layer of a deferred cache attended and cut straight from its codes where
+    snapkv.coded_attention takes it (within rounding of restoring it first); False: every layer restored, so that
+    the pass is the model's forward to the bit."""
     inner = model.model
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     rows = question_ids.shape[0]
@@ -149,7 +151,7 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
                 query, key = (_with_rope(part, cos, sin, attention.head_dim) for part in projected[:2])
                 value = projected[2].view(1, rows, -1, attention.head_dim).transpose(1, 2)
             attended = None  # (1, q, heads * head_dim)
-            if layers is not None and attention in cut_modules:  # straight from the layer's codes where it can
+            if from_codes and attention in cut_modules:  # straight from the layer's codes where it can
                 attended = attend_and_cut(attention, query, key, value, cache.layers[attention.layer_idx], plan)
             if attended is None:
                 keys, values = cache.update(key, value, attention.layer_idx)

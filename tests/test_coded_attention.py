@@ -76,7 +76,7 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, heads
             monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
         working = cache.to_dynamic_cache(model.config, into_room=True)
         plan = CompressionPlan(Cut(64, 8), window=window)
-        logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers)
+        logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers, from_codes=True)
         found[way] = (logits, plan.kept, [(layer.keys, layer.values) for layer in working.layers])
         monkeypatch.undo()
     assert taken == [True] * len(model.model.layers)  # the coded pass took every layer from its codes
@@ -159,3 +159,24 @@ def test_columns_of_a_sharper_share_in_c_and_in_pytorch(monkeypatch):
     monkeypatch.setenv(native.DISABLE, "0")
     mixed = quantize_mixed(keys, sharp, high, low)
     assert isinstance(mixed, Mixed) and torch.equal(mixed.column_of_positions(), expected)
+
+
+def test_a_model_without_weight_blocks_takes_the_coded_path_too(tmp_path, monkeypatch):
+    """A plain fp32 Llama (no 4/8-bit blocks: no C parts around the attention, as a user's own checkpoint on a CPU)
+    still attends and cuts each layer from its codes, and answers as with every layer restored (native=False)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import COMMON
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert native_decode.question_layers(model) is None
+    cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
+    question = ids(QUESTION, 2)
+    taken = coded_calls(monkeypatch)
+    tokens = list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8))
+    assert len(tokens) == 8 and taken == [True] * config.num_hidden_layers
+    taken.clear()
+    assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, native=False)) == tokens
+    assert taken == []

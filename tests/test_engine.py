@@ -731,7 +731,7 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
         assert sums == [False] * 6 + [True] * 12  # 3 layers x 2 ways: no cut, then two cuts
     passes = []
     real_pass = lean_decode.question_pass
-    monkeypatch.setattr(lean_decode, "question_pass", lambda *a: passes.append(1) or real_pass(*a))
+    monkeypatch.setattr(lean_decode, "question_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
     for cut in (None, Cut(24, 8)):
         tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8, lean=False))
         assert not passes
