@@ -437,8 +437,10 @@ def _quantized_part(path: Path, tensors: dict, name: str, prefix: str, shape: tu
 
 
 def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str,
-                 bits: Bits):
-    """A layer's keys or values as stored: a 16-bit tensor, Quantized, or Mixed (its shapes checked)."""
+                 bits: Bits, masks: dict | None = None):
+    """A layer's keys or values as stored: a 16-bit tensor, Quantized, or Mixed (its shapes checked). masks: the
+    sharper masks read so far for this layer, by their bytes: the keys' and values' are the same mask as saved, read
+    once and held as one tensor (so that a question's pass can tell they agree without comparing them)."""
     if bits == 16:
         part = tensors[name]
         if part.dtype not in (torch.float16, torch.bfloat16):
@@ -450,10 +452,13 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
     mask = tensors[f"{name}.sharp_mask"]
     if mask.dtype != torch.uint8 or tuple(mask.shape) != (heads, (held + 7) // 8):
         raise CacheFileError(f"{path}: damaged cache ({name} sharper mask {tuple(mask.shape)})")
-    try:
-        sharp = torch.from_numpy(_mask_bits(mask, held))  # (kv_heads, held) bool, as Mixed holds it
-    except ValueError as error:
-        raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
+    known, key = (masks if masks is not None else {}), mask.numpy().tobytes()
+    sharp = known.get(key)
+    if sharp is None:
+        try:
+            sharp = known[key] = torch.from_numpy(_mask_bits(mask, held))  # (kv_heads, held) bool, as Mixed holds it
+        except ValueError as error:
+            raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
     count = int(sharp[0].sum()) if heads else 0
     return Mixed(sharp, _quantized_part(path, tensors, name, "sharp_", (heads, count, head_dim), storage,
                                         f"sharp_{kind}"),
@@ -489,7 +494,8 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         except ValueError as error:
             raise CacheFileError(f"{path}: damaged cache (layer {index}: {error})") from error
         shape = (kv_heads, positions.shape[1], head_dim)
-        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
+        masks = {}  # the layer's sharper masks by their bytes
+        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits, masks)
                        for kind in ("keys", "values"))
         restored = [part if isinstance(part, torch.Tensor) or defer else dequantize(part, restore_dtype)
                     for part in stored]

@@ -131,7 +131,7 @@ _loaded: dict[str, object] = {}  # "library" or "failure": the one attempt of th
 
 def kernels() -> ctypes.CDLL:
     """The loaded library (matmul_4bit, matmul_8bit, dequantize_rows, attend_rows, linear_rows, linear_rows_blocks,
-    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, part_columns, half_all_finite, rope_rows,
+    decode_token, window_scores, top_positions, gather_rows, mask_positions, part_rows, half_all_finite, rope_rows,
     question_before_attention, question_after_attention, attend_coded_and_cut), or NativeUnavailable. Built and loaded once per process."""
     if "library" not in _loaded and "failure" not in _loaded:
         try:

@@ -134,7 +134,6 @@ class Mixed:
     high: Quantized
     low: Quantized
     _destinations: dict = field(default_factory=dict, repr=False, compare=False)  # room -> destination_rows(room)
-    _columns: torch.Tensor | None = field(default=None, repr=False, compare=False)  # column_of_positions()
 
     def destination_rows(self, room: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(high, low) (count,) int64: the rows of a (kv_heads * (tokens + room), head_dim) buffer that each part's
@@ -153,23 +152,6 @@ class Mixed:
                 sharp = torch.nn.functional.pad(self.sharp.to(self.high.scale.device), (0, room))  # (kv_heads, tokens + room)
                 self._destinations[room] = (_rows_of(sharp), _rows_of(_held(heads, tokens, room, sharp.device) & ~sharp))
         return self._destinations[room]
-
-    def column_of_positions(self) -> torch.Tensor:
-        """(kv_heads, tokens) int64: each position's column when the parts are read one after the other (a head's
-        sharper tokens in order, then its other tokens: snapkv.coded_attention's order). Kept, as each question reads
-        the same order; found in one pass in C where it can be."""
-        if self._columns is None:
-            heads, tokens = self.sharp.shape
-            sharp = self.sharp.contiguous()
-            columns = torch.empty(heads, tokens, dtype=torch.int64)
-            if sharp.device.type == "cpu" and native.unavailable_reason() is None:
-                native.kernels().part_columns(sharp.data_ptr(), heads, tokens, columns.data_ptr())
-            else:
-                rank = sharp.long().cumsum(dim=1)  # sharper tokens up to and including each position
-                high = rank[:, -1:]
-                columns = torch.where(sharp, rank - 1, high + torch.arange(tokens) - rank)
-            self._columns = columns
-        return self._columns
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -146,37 +146,3 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
                                           torch.randn(1, 2, QUESTION, 16), torch.randn(1, 2, QUESTION, 16), layer,
                                           plan) is None
     assert question.shape == (QUESTION,)
-
-
-def test_columns_of_a_sharper_share_in_c_and_in_pytorch(monkeypatch):
-    """Mixed.column_of_positions: a head's sharper positions numbered first, in order, then the rest; the C pass and
-    PyTorch's ops agree."""
-    sharp = torch.tensor([[True, False, False, True, False], [False, True, True, False, False]])
-    keys = torch.randn(2, 5, 64)
-    high, low = stored_schemes(Bits(8, 4), 64)[0], stored_schemes(Bits(3, 2), 64)[0]
-    expected = torch.tensor([[0, 2, 3, 1, 4], [2, 0, 1, 3, 4]])
-    assert torch.equal(quantize_mixed(keys, sharp, high, low).column_of_positions(), expected)
-    monkeypatch.setenv(native.DISABLE, "0")
-    mixed = quantize_mixed(keys, sharp, high, low)
-    assert isinstance(mixed, Mixed) and torch.equal(mixed.column_of_positions(), expected)
-
-
-def test_a_model_without_weight_blocks_takes_the_coded_path_too(tmp_path, monkeypatch):
-    """A plain fp32 Llama (no 4/8-bit blocks: no C parts around the attention, as a user's own checkpoint on a CPU)
-    still attends and cuts each layer from its codes, and answers as with every layer restored (native=False)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from conftest import COMMON
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2})
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    assert native_decode.question_layers(model) is None
-    cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
-    question = ids(QUESTION, 2)
-    taken = coded_calls(monkeypatch)
-    tokens = list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8))
-    assert len(tokens) == 8 and taken == [True] * config.num_hidden_layers
-    taken.clear()
-    assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, native=False)) == tokens
-    assert taken == []

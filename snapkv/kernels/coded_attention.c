@@ -301,6 +301,7 @@ int window_scores(const float *weights, int64_t kv_heads, int64_t group, int64_t
                   float *scores, int threads);
 int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t keep, int64_t window,
                   int64_t *indices, int threads);
+void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns);
 int dequantize_positions(const void *const *part_pointers, const int64_t *part_shapes, int parts,
                          const int64_t *column_of, int64_t heads, int64_t stored, int64_t head_dim,
                          const int64_t *positions, int64_t kept, const float *question_rows, int64_t question,
@@ -314,7 +315,8 @@ static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int
 }
 
 /* attend_coded, then SnapKV's cut of the layer (snapkv.compress.cut_layer's steps) in the same call, so that no step
- * waits on Python or on waking threads: the window's sums put back in position order (column_of, NULL for one part),
+ * waits on Python or on waking threads: the window's sums put back in position order (sharp: a sharper share's
+ * (kv_heads, stored) bool mask, its positions read first; NULL for one part),
  * pooled and averaged per KV head (window_scores), the best `prefix_keep` positions and the question's own
  * (top_positions), and the keys and values at them restored (dequantize_positions: the same bits as the whole layer's
  * restore). The query rows, the question's values and the output are rotated here (rotation_block: the Hadamard block
@@ -326,7 +328,7 @@ static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int
 int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
                          int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
                          int64_t rotation_block, int values_rotated, const float *question_keys,
-                         const float *question_values, const int64_t *column_of, int kernel, int pooling,
+                         const float *question_values, const uint8_t *sharp, int kernel, int pooling,
                          int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
                          float *keys_out, float *values_out, int threads) {
     if (!wide_vectors(-1) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
@@ -355,8 +357,10 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
     float *weights = malloc(sizeof(float) * (size_t)(kv_heads * rows * tokens));
     float *sums = malloc(sizeof(float) * (size_t)(kv_heads * group * tokens));  /* (kv_heads, group, tokens) */
     float *scores = malloc(sizeof(float) * (size_t)(kv_heads * (prefix > 0 ? prefix : 1)));
+    /* (kv_heads, stored): each position's column, a sharper share's positions read first (none for one part) */
+    int64_t *column_of = sharp ? malloc(sizeof(int64_t) * (size_t)(kv_heads * stored)) : NULL;
     int status = -1;
-    if (!rotated || !own_values || !tail || !weights || !sums || !scores) goto done;
+    if (!rotated || !own_values || !tail || !weights || !sums || !scores || (sharp && !column_of)) goto done;
     if (rotation_block) rotated_rows(query, kv_heads * rows, head_dim, rotation_block, rotated);
     else memcpy(rotated, query, sizeof(float) * (size_t)(kv_heads * rows * head_dim));
     if (values_rotated) rotated_rows(question_values, kv_heads * question, head_dim, rotation_block, own_values);
@@ -369,6 +373,7 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
     if (values_rotated)  /* the output back from the values' basis */
         for (int64_t r = 0; r < kv_heads * rows; r++)
             hadamard_blocks(out + r * head_dim, head_dim, rotation_block, (float)(1.0 / sqrt((double)rotation_block)));
+    if (sharp) part_columns(sharp, kv_heads, stored, column_of);
     if (column_of) {  /* the stored columns back in position order (weights is free again: its room is used) */
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t g = 0; g < group; g++) {
@@ -389,6 +394,6 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
         status = dequantize_positions(value_pointers, value_shapes, parts, column_of, kv_heads, stored, head_dim,
                                       indices, kept, question_values, question, values_out, threads);
 done:
-    free(rotated), free(own_values), free(tail), free(weights), free(sums), free(scores);
+    free(rotated), free(own_values), free(tail), free(weights), free(sums), free(scores), free(column_of);
     return status;
 }

@@ -306,7 +306,7 @@ int part_rows(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t room,
 }
 
 /* Each position's column when a Mixed part's rows are read one part after the other (a head's sharper tokens in
- * order, then its other tokens: snapkv.coded_attention). sharp: (heads, tokens) bool; columns: (heads, tokens) out. */
+ * order, then its other tokens: coded_attention.c). sharp: (heads, tokens) bool; columns: (heads, tokens) out. */
 void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns) {
     for (int64_t h = 0; h < heads; h++) {
         int64_t sharper = 0;
