@@ -11,12 +11,13 @@ from snapkv.cachefile import load_cache, save_cache
 from snapkv.compress import CompressionPlan
 from snapkv.config import Cut
 from snapkv.generation import answer, prefill
-from snapkv.quantize import Mixed, quantize_mixed, stored_schemes
+from snapkv.quantize import quantize_mixed, stored_schemes
 
 from test_native_decode import ids, on_blocks
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"kernels unavailable: {native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None or not native.kernels().wide_vectors(-1),
+                                reason="the coded path needs snapkv's kernels on a CPU with AVX-512 (elsewhere every "
+                                       "layer is restored, as the rest of the suite tests)")
 
 PROMPT = 203  # past one 128-token key group, not a multiple of 16 or 64: part-filled tiles and groups
 QUESTION = 7
@@ -87,9 +88,9 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, heads
     for index, ((keys, values), (restored_keys, restored_values)) in enumerate(zip(states, restored_states)):
         assert keys.shape == (1, heads["num_key_value_heads"], Cut(64, 8).prefix_keep + window, 64)
         stored = kept[index][0] < PROMPT  # (kv_heads, kept): the cache's positions, not the question's own
-        for states, restored in ((keys, restored_keys), (values, restored_values)):
-            assert torch.equal(states[0][stored], restored[0][stored])  # stored rows: to the bit
-            assert torch.allclose(states[0][~stored], restored[0][~stored], atol=1e-5)  # the question's
+        for got, want in ((keys, restored_keys), (values, restored_values)):
+            assert torch.equal(got[0][stored], want[0][stored])  # stored rows: to the bit
+            assert torch.allclose(got[0][~stored], want[0][~stored], atol=1e-5)  # the question's
 
 
 def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monkeypatch):
@@ -115,7 +116,6 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
     positions differ, head_dim not a multiple of 64, a CPU without AVX-512."""
     model = on_blocks(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
-    question = ids(QUESTION, 2)
     plan = CompressionPlan(Cut(64, 8), window=QUESTION)
     attention = model.model.layers[0].self_attn
     query, key, value = torch.randn(1, 2, QUESTION, 64), torch.randn(1, 1, QUESTION, 64), torch.randn(1, 1, QUESTION, 64)
@@ -145,4 +145,24 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
     assert coded_attention.attend_and_cut(small.model.layers[0].self_attn, torch.randn(1, 4, QUESTION, 16),
                                           torch.randn(1, 2, QUESTION, 16), torch.randn(1, 2, QUESTION, 16), layer,
                                           plan) is None
-    assert question.shape == (QUESTION,)
+
+
+def test_a_model_without_weight_blocks_takes_the_coded_path_too(tmp_path, monkeypatch):
+    """A plain fp32 Llama (no 4/8-bit blocks: no C parts around the attention, as a user's own checkpoint on a CPU)
+    still attends and cuts each layer from its codes, and answers as with every layer restored (native=False)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from conftest import COMMON
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2})
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert native_decode.question_layers(model) is None
+    cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
+    question = ids(QUESTION, 2)
+    taken = coded_calls(monkeypatch)
+    tokens = list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8))
+    assert len(tokens) == 8 and taken == [True] * config.num_hidden_layers
+    taken.clear()
+    assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, native=False)) == tokens
+    assert taken == []
