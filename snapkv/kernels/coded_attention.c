@@ -112,6 +112,19 @@ WIDE static void value_tile(const part *p, const unpacker *u, int64_t h, int64_t
     }
 }
 
+/* Where a head's tile t lies: returns the part it is in (parts: the question's own rows); first: its first token in
+ * that part, column: its first column of the head's rows, count: its columns (at most WIDE_TILE). first_tile and
+ * first_column: per part, then the question, then the end. */
+static inline int tile_place(int64_t t, const int64_t *first_tile, const int64_t *first_column, int64_t *first,
+                             int64_t *column, int64_t *count) {
+    int i = 0;
+    while (t >= first_tile[i + 1]) i++;
+    *first = (t - first_tile[i]) * WIDE_TILE;
+    *column = first_column[i] + *first;
+    *count = first_column[i + 1] - *column < WIDE_TILE ? first_column[i + 1] - *column : WIDE_TILE;
+    return i;
+}
+
 static int readable(const coded *c, int64_t extent) {
     if (!(c->bits == 2 || c->bits == 3 || c->bits == 4 || c->bits == 8) || c->group < 16 || c->group % 16) return 0;
     return extent > 0;
@@ -194,10 +207,8 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
             float *top = running + task * rows * 2, *total = top + rows;
             for (int64_t r = 0; r < rows; r++) top[r] = -INFINITY, total[r] = 0.0f;
             for (int64_t t = tiles * share / shares; t < tiles * (share + 1) / shares; t++) {
-                int i = 0;
-                while (t >= first_tile[i + 1]) i++;  /* the part this tile is in (parts: the question) */
-                const int64_t first = (t - first_tile[i]) * WIDE_TILE, column = first_column[i] + first;
-                const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
+                int64_t first, column, count;
+                const int i = tile_place(t, first_tile, first_column, &first, &column, &count);
                 const float *rows_in = scaled[h];
                 if (i == parts) {
                     transposed_wide_tile(question_keys + (h * question + first) * head_dim, count, head_dim, tile);
@@ -269,10 +280,8 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
 #pragma omp for schedule(static)
             for (int64_t task = 0; task < kv_heads * heads_per_kv * tiles; task++) {
                 const int64_t h = task / (heads_per_kv * tiles), g = task / tiles % heads_per_kv, t = task % tiles;
-                int i = 0;
-                while (t >= first_tile[i + 1]) i++;
-                const int64_t column = first_column[i] + (t - first_tile[i]) * WIDE_TILE;
-                const int64_t count = first_column[i + 1] - column < WIDE_TILE ? first_column[i + 1] - column : WIDE_TILE;
+                int64_t first, column, count;
+                tile_place(t, first_tile, first_column, &first, &column, &count);
                 float *sums = window_sums + (h * heads_per_kv + g) * tokens + column;
                 for (int64_t j = 0; j < count; j++) sums[j] = 0.0f;
                 for (int64_t q = question - window; q < question; q++) {

@@ -154,6 +154,19 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
     return 0;
 }
 
+/* Channels from..head_dim - 1 of row t of head h of a tensor whose groups run along the tokens (keys): each channel's
+ * code in its group holding t, (h, c, t / group), times scale plus minimum, multiplied then added. */
+static void key_row_channels(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t tokens,
+                             int64_t head_dim, int bits, int64_t group, int64_t h, int64_t t, int64_t from,
+                             float *values) {
+    const int64_t groups = (tokens + group - 1) / group, group_bytes = group * bits / 8;
+    for (int64_t c = from; c < head_dim; c++) {
+        const int64_t at = (h * head_dim + c) * groups + t / group;
+        const float scaled = (float)code_at(packed + at * group_bytes, t % group, bits) * half_to_float(scale[at]);
+        values[c] = scaled + half_to_float(minimum[at]);
+    }
+}
+
 /* stored_row's keys (groups along the tokens) 16 channels at a time with AVX-512 gathers: the same values. Channels
  * whose 4-byte reads would pass the end of the codes or scales take the scalar path. */
 WIDE static void stored_key_row_wide(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum,
@@ -178,11 +191,7 @@ WIDE static void stored_key_row_wide(const uint8_t *packed, const uint16_t *scal
         const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const void *)minimum, 2)));
         _mm512_storeu_ps(values + c, _mm512_add_ps(_mm512_mul_ps(codes, s), m));
     }
-    for (; c < head_dim; c++) {
-        const int64_t at = (h * head_dim + c) * groups + t / group;
-        const float scaled = (float)code_at(packed + at * group_bytes, t % group, bits) * half_to_float(scale[at]);
-        values[c] = scaled + half_to_float(minimum[at]);
-    }
+    key_row_channels(packed, scale, minimum, tokens, head_dim, bits, group, h, t, c, values);
 }
 
 /* Row t of head h of a stored tensor (dequantize_rows' layout), decoded into `values` (not rotated back). */
@@ -192,12 +201,7 @@ static void stored_row(const uint8_t *packed, const uint16_t *scale, const uint1
         token_row(packed, scale, minimum, h * tokens + t, head_dim, bits, group, values);
         return;
     }
-    const int64_t groups = (tokens + group - 1) / group, group_bytes = group * bits / 8;
-    for (int64_t c = 0; c < head_dim; c++) {  /* channel c's group holding t: (h, c, t / group) */
-        const int64_t at = (h * head_dim + c) * groups + t / group;
-        const float scaled = (float)code_at(packed + at * group_bytes, t % group, bits) * half_to_float(scale[at]);
-        values[c] = scaled + half_to_float(minimum[at]);
-    }
+    key_row_channels(packed, scale, minimum, tokens, head_dim, bits, group, h, t, 0, values);
 }
 
 /* A question's cut of a saved layer (snapkv.coded_attention): the keys or values at `positions` (heads, kept), into
