@@ -162,3 +162,136 @@ def multi(
         table.add_row(name, f"{sum(result.found[name])}/{len(result.facts)}", f"{result.accuracy(name):.0%}",
                       f"{result.accuracy(name) / full:.0%}", f"{result.file_bytes[name] / 2**20:.1f}")
     stdout_console().print(table)
+
+
+def _fidelity_plot(result, path: Path) -> Path:
+    from .render import pyplot
+
+    plt = pyplot()
+    figure, (storage, compression) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axes, comparisons, title in ((storage, result.storage, f"stored tiers vs 16 bits, budget {result.budget}"),
+                                     (compression, result.compression, "16 bits cut per question vs the full cache")):
+        names = [c.setting for c in comparisons]
+        places = range(len(names))
+        axes.bar([p - 0.2 for p in places], [100 * c.agreement for c in comparisons], 0.4, label="first sentence identical %")
+        axes.bar([p + 0.2 for p in places], [100 * c.changed_share for c in comparisons], 0.4,
+                 label="answers with a changed number or name %")
+        for place, comparison in zip(places, comparisons):
+            if comparison.bytes_ratio and comparison.bytes_ratio != 1:
+                axes.annotate(f"{comparison.bytes_ratio:.1f}x smaller", (place, 101), ha="center", fontsize=8)
+        axes.set_xticks(list(places), names, rotation=30, ha="right")
+        axes.set(ylim=(0, 110), title=title)
+        axes.legend(fontsize=8, loc="center right")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _comparison_table(title: str, comparisons: list, with_bytes: bool):
+    from rich.table import Table
+
+    table = Table(title=title)
+    columns = ["setting", "asked", "same", "changed", "found", "ref found", "lost", "how changed"]
+    for column in columns + (["smaller"] if with_bytes else []):
+        table.add_column(column, justify="left" if column in ("setting", "how changed") else "right",
+                         overflow="fold")
+    for c in comparisons:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(c.kinds.items(), key=lambda item: -item[1])
+                          if kind != "same")
+        row = [c.setting, str(c.questions), f"{c.agreement:.1%}", f"{c.changed} ({c.changed_share:.1%})",
+               str(c.found), str(c.reference_found), str(c.lost), kinds or "-"]
+        table.add_row(*row, *([f"{c.bytes_ratio:.2f}x"] if with_bytes else []))
+    return table
+
+
+@app.command()
+def fidelity(
+    tiers: str = typer.Option(
+        "8,8/4,4/4,4/3,3/2+20%@8/4", help="Stored tiers to compare with the 16-bit cache (--store-bits values), "
+        "comma-separated; the default tier is always included."),
+    budget: int = typer.Option(DEFAULTS.budget, parser=lambda v: v if isinstance(v, int) else parse_size(v, name="--budget"),
+                               metavar="SIZE", help="Per-question budget the stored tiers are compared at."),
+    budgets: str = typer.Option(
+        "", "--cut-budgets", help="Budgets at which the 16-bit cache's per-question cut is compared with the full "
+        "cache, comma-separated (default: --budget)."),
+    documents: Optional[Path] = typer.Option(
+        None, "--documents", help="A folder of NAME.txt documents with NAME.json questions (default: the 12 "
+        "documents shipped with snapkv, 1k-7.5k tokens, 190 questions)."),
+    only: str = typer.Option("", help="Only these documents, by name, comma-separated."),
+    needle_lengths: str = typer.Option("2k,4k,7k", help="The needle grid's lengths, comma-separated ('' for none)."),
+    needle_depths: str = typer.Option("10,40,60,90", help="The needle grid's depths in percent, comma-separated."),
+    model: ModelOption = None,
+    device: DeviceOption = "auto",
+    dtype: DtypeOption = "auto",
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Write the results (every answer) as JSON here, updated after each document."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a bar chart PNG here."),
+) -> None:
+    """Storage and compression fidelity: do answers keep their numbers and names?
+
+    Every question is answered greedily from the 16-bit cache cut per question to --budget (the reference), from
+    each stored tier with the same cut (storage fidelity: only what the file stores differs), and from the full
+    cache (compression fidelity: what the cut costs). Per question: the facts (numbers, capitalised names) of the
+    reference's first sentence that the other answer lacks or alters, whether the first sentences are identical,
+    and whether each side states the expected fact. Each tier is saved to a file and loaded back, and all of a
+    document's questions are asked of that file.
+    """
+    from snapkv.atomic import write_atomically
+    from snapkv.fidelity import load_documents, needle_documents, run_fidelity, settings_for
+
+    from .render import load_with_status, stderr_console, stdout_console
+
+    try:
+        tier_bits = [Bits.parse(text) for text in tiers.split(",") if text.strip()]
+    except ValueError as error:
+        raise ConfigError(f"--tiers: {error}") from None
+    tier_bits = list(dict.fromkeys([*tier_bits, DEFAULTS.store_bits]))
+    tier_bits = [bits for bits in tier_bits if bits != 16]
+    cut_budgets = parse_sizes(budgets, name="--cut-budgets") if budgets.strip() else [budget]
+    if documents is not None and not documents.is_dir():
+        raise ConfigError(f"--documents: {documents} is not a folder")
+    try:
+        chosen = load_documents(documents, [name.strip() for name in only.split(",") if name.strip()])
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"--documents: {error}") from None
+    lengths = parse_sizes(needle_lengths, name="--needle-lengths", minimum=16) if needle_lengths.strip() else []
+    depths = [d / 100 for d in parse_sizes(needle_depths, name="--needle-depths", minimum=0)] if lengths else []
+    if any(not 0 <= d <= 1 for d in depths):
+        raise ConfigError("--needle-depths are percentages from 0 to 100")
+    err = stderr_console()
+    loaded, _ = load_with_status(err, model, device, dtype)
+    chosen += needle_documents(loaded.tokenizer, lengths, depths)
+    partial = {"documents": []}
+
+    def keep(record: dict) -> None:
+        partial["documents"].append(record)
+        if output is not None:
+            text = json.dumps(partial)
+            write_atomically(output, lambda temp: temp.write_text(text, encoding="utf-8"), "the results")
+
+    questions = sum(len(d.questions) for d in chosen)
+    settings = settings_for(tier_bits, budget, cut_budgets)
+    err.print(f"{len(chosen)} documents, {questions} questions, {len(settings)} settings: "
+              f"{', '.join(s.name for s in settings)}", markup=False, soft_wrap=True)
+    with err.status("Evaluating...") as status:
+        result = run_fidelity(loaded, chosen, tier_bits, budget, cut_budgets, on_progress=status.update,
+                              on_document=keep)
+    data = result.to_dict()
+    if output is not None:
+        text = json.dumps(data, indent=1)
+        write_atomically(output, lambda temp: temp.write_text(text, encoding="utf-8"), "the results")
+    written = _fidelity_plot(result, plot) if plot else None
+    if as_json:
+        sys.stdout.write(json.dumps(data) + "\n")
+    else:
+        out = stdout_console()
+        out.print(_comparison_table(f"storage fidelity: each tier against 16 bits, cut to {budget} per question "
+                                    f"({loaded.name}, {data['dtype']})", result.storage, with_bytes=True))
+        out.print(_comparison_table("compression fidelity: 16 bits cut per question against the full cache",
+                                    result.compression, with_bytes=False))
+        err.print(f"{questions} questions in {result.seconds / 60:.1f} min", markup=False)
+    if written:
+        err.print(f"wrote {written}", markup=False, soft_wrap=True)

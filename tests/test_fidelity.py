@@ -1,0 +1,132 @@
+"""snapkv eval fidelity: the facts of an answer, the comparison of two answers, and the benchmark's mechanics."""
+
+import json
+
+import pytest
+
+from snapkv.bits import Bits
+from snapkv.config import DEFAULTS
+from snapkv.facts import compare, fact_found, first_sentence, how_changed, names_of, numbers_of, sentence_complete
+from snapkv.fidelity import FULL, Setting, compare_settings, load_documents, needle_documents, run_fidelity, settings_for
+
+
+def test_first_sentence_ends_at_a_sentence_end_not_a_decimal_point_or_abbreviation():
+    assert first_sentence(" The revenue was 184.6 million pounds. It grew.") == "The revenue was 184.6 million pounds."
+    assert first_sentence("The net debt of Northwind Ltd. is 96.4 million. More") == "The net debt of Northwind Ltd. is 96.4 million."
+    assert first_sentence("Signed by J. Smith on 4 May. Then") == "Signed by J. Smith on 4 May."
+    assert first_sentence("No end here") == "No end here"
+    assert first_sentence("One line\nanother line.") == "One line"
+    assert not sentence_complete("It was 184.")  # the next token may be "6"
+    assert sentence_complete("It was 184.6. ") and sentence_complete("It was 184.6.\n")
+    assert not sentence_complete("Northwind Ltd. is")
+
+
+def test_numbers_and_names_of_a_sentence():
+    assert numbers_of("184.6 million, up from 121.3 in 2022; 190,000 homes at 14:30") == [
+        "184.6", "121.3", "2022", "190000", "14:30"]
+    assert names_of("The chair, Eilidh MacLeod, met Priya Raman in Wick.") == ["Eilidh MacLeod", "Priya Raman", "Wick"]
+    assert names_of("The board met. It was in Tomasz Wiśniewski's office") == ["Tomasz Wiśniewski's"]
+
+
+def test_compare_finds_altered_and_missing_facts():
+    reference = "The 2023 revenue was 184.6 million pounds, up from 121.3 million pounds in 2022. Next."
+    assert compare(reference, reference) == [] and how_changed(reference, reference) == "same"
+    altered = compare(reference, "The 2023 revenue was 184.6 million pounds, up from 179.3 million pounds in 2022.")
+    assert [(c.kind, c.reference, c.how, c.instead) for c in altered] == [("number", "121.3", "altered", "179.3")]
+    shorter = compare(reference, "The 2023 revenue was 184.6 million pounds.")
+    assert {(c.reference, c.how) for c in shorter} == {("121.3", "missing"), ("2022", "missing")}
+    assert how_changed(reference, "The 2023 revenue was 184.6 million pounds.") == "missing"
+    assert how_changed(reference, "Revenue in 2023 was 184.6 million pounds, up from 121.3 million pounds in 2022.") == "wording"
+    assert how_changed("Priya Raman chairs it.", "Morag Henderson chairs it.") == "name"
+    assert how_changed("It is 96.4 million.", "The document does not mention the net debt.") == "refusal"
+    assert how_changed("It is 96.4 million.", "It is 96.3 million.") == "number"
+
+
+def test_fact_found_matches_whole_numbers_and_words():
+    assert fact_found("Revenue was 121.3 million.", "121.3")
+    assert not fact_found("Revenue was 1121.3 million.", "121.3") and not fact_found("It was 121.35.", "121.3")
+    assert fact_found("Homes: 190,000.", "190000") and fact_found("Homes: 190,000.", "190,000")
+    assert fact_found("It is held on 8 May 2024 in Wick.", "8 May 2024")
+    assert fact_found("The code is nt-2.", "NT-2") and not fact_found("The code is NT-20.", "NT-2")
+    assert not fact_found("First sentence. Then 121.3.", "121.3")  # only the first sentence counts
+
+
+def test_shipped_documents_hold_their_answers():
+    documents = load_documents()
+    assert len(documents) >= 10
+    questions = [q for d in documents for q in d.questions]
+    assert len(questions) >= 150
+    for document in documents:
+        assert len(document.questions) >= 10, document.name
+        for question in document.questions:
+            assert question.answer in document.text, (document.name, question.answer)
+            assert question.kind in {"decimal", "number", "date", "code", "name"}
+            assert question.detail in {"prominent", "secondary"}
+    kinds = {q.kind for q in questions}
+    assert kinds == {"decimal", "number", "date", "code", "name"}
+    assert sum(q.detail == "secondary" for q in questions) >= len(questions) // 5
+
+
+def test_settings_and_comparisons_count_questions():
+    settings = settings_for([Bits(8), Bits(4, 3)], 512, [256, 512])
+    assert [s.name for s in settings] == ["full", "16 @256", "16 @512", "8 @512", "4/3 @512"]
+    assert FULL.name == "full" and FULL.config(DEFAULTS).store_bits == 16
+    record = {"name": "d", "questions": [{"question": "q1", "answer": "121.3"}, {"question": "q2", "answer": "Wick"}],
+              "file_bytes": {"16 @512": 400, "8 @512": 200},
+              "answers": {"16 @512": [{"text": "It was 121.3.", "found": True}, {"text": "In Wick.", "found": True}],
+                          "8 @512": [{"text": "It was 179.3.", "found": False}, {"text": "In Wick.", "found": True}]}}
+    comparison = compare_settings([record], "8 @512", "16 @512")
+    assert (comparison.questions, comparison.agreed, comparison.changed, comparison.lost) == (2, 1, 1, 1)
+    assert comparison.kinds == {"number": 1, "same": 1} and comparison.bytes_ratio == 2.0
+    assert comparison.examples[0]["changes"] == ["121.3 -> 179.3"]
+
+
+def test_needle_documents_hold_their_number(embedded):
+    documents = needle_documents(embedded.tokenizer, [300], [0.1, 0.9])
+    assert [d.name for d in documents] == ["needle-300-10", "needle-300-90"]
+    for document in documents:
+        (question,) = document.questions
+        assert question.answer in document.text and question.answer_prefix
+
+
+def test_run_fidelity_on_a_tiny_model_compares_every_setting(tiny_loaded, tmp_path):
+    """The mechanics on a tiny random model: every setting answers every question; the 16-bit cache cut to a
+    budget above the document answers exactly as the full cache does."""
+    from snapkv.fidelity import FactDocument, Question
+
+    text = " ".join(f"Item {i} costs {i * 7}.5 pounds." for i in range(40))
+    document = FactDocument("tiny", text, (Question("What does item 3 cost?", "21.5"),
+                                           Question("What does item 30 cost?", "210.5", detail="secondary")))
+    result = run_fidelity(tiny_loaded, [document], [Bits(8), Bits(4, 3)], budget=2048, budgets=[2048, 128])
+    assert result.settings == ["full", "16 @2048", "16 @128", "8 @2048", "4/3 @2048"]
+    (record,) = result.documents
+    assert all(len(answers) == 2 for answers in record["answers"].values())
+    assert record["answers"]["16 @2048"] == [{**a, "seconds": b["seconds"]} for a, b in
+                                             zip(record["answers"]["full"], record["answers"]["16 @2048"])]
+    compression = {c.setting: c for c in result.compression}
+    assert compression["16 @2048"].agreed == 2 and compression["16 @2048"].changed == 0
+    storage = {c.setting: c for c in result.storage}
+    assert set(storage) == {"8 @2048", "4/3 @2048"} and storage["4/3 @2048"].bytes_ratio > storage["8 @2048"].bytes_ratio > 1.5
+    json.dumps(result.to_dict())  # all of it serialisable
+
+
+@pytest.mark.slow
+def test_eval_fidelity_command(home, tmp_path):
+    from typer.testing import CliRunner
+
+    from snapkv_cli.app import app
+
+    output, plot = tmp_path / "fidelity.json", tmp_path / "fidelity.png"
+    result = CliRunner().invoke(app, ["eval", "fidelity", "--only", "annual_report", "--needle-lengths", "600",
+                                      "--needle-depths", "50", "--tiers", "8", "--budget", "512", "--json",
+                                      "-o", str(output), "--plot", str(plot)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert json.loads(output.read_text()) == json.loads(json.dumps(data, indent=1))
+    assert plot.stat().st_size > 1000
+    storage = {c["setting"]: c for c in data["storage"]}
+    assert storage["8 @512"]["questions"] == 18 + 1
+    assert storage["8 @512"]["bytes_ratio"] > 1.7
+    # the 16-bit reference finds the revenue and the needle
+    needle = next(d for d in data["documents"] if d["name"].startswith("needle"))
+    assert needle["answers"]["16 @512"][0]["found"]
