@@ -4,13 +4,13 @@ SUPPORTED_BITS = (2, 3, 4, 8)  # below 16: what snapkv.quantize packs
 
 
 def _check_pair(keys: int, values: int) -> None:
-    if keys == 16 or values == 16:
-        if keys != values:
-            raise ValueError(f"16 bits is for keys and values both, not {keys}/{values}")
-    elif keys not in SUPPORTED_BITS or values not in SUPPORTED_BITS:
-        choices = ", ".join(map(str, (16, *reversed(SUPPORTED_BITS))))
-        raise ValueError(f"stored bits must be {choices}, or KEYS/VALUES of those below 16 (as 4/3); "
+    choices = ", ".join(map(str, (16, *reversed(SUPPORTED_BITS))))
+    if keys not in (16, *SUPPORTED_BITS) or values not in (16, *SUPPORTED_BITS):
+        raise ValueError(f"stored bits must be {choices}, or KEYS/VALUES of those (as 16/8 or 4/3); "
                          f"got {keys if keys == values else f'{keys}/{values}'}")
+    if values == 16 and keys != 16:
+        raise ValueError(f"values in 16 bits need keys in 16 bits too (keys decide what is attended), not "
+                         f"{keys}/{values}")
 
 
 def _parse_pair(text: str, whole: str) -> tuple[int, int]:
@@ -29,7 +29,8 @@ def _pair_text(keys: int, values: int) -> str:
 class Bits:
     """The bits a stored key and value take.
 
-    Bits(8): both 8; Bits(4, 3): keys 4, values 3 (written "4/3"); Bits(4, 2, share=0.2, sharp=(4, 4)):
+    Bits(8): both 8; Bits(4, 3): keys 4, values 3 (written "4/3"); Bits(16, 8): keys in the 16-bit dtype, values
+    in 8 bits (keys decide which positions are attended, and take rounding worse); Bits(4, 2, share=0.2, sharp=(4, 4)):
     a sharper share (MiKV's idea, arXiv 2402.18096): the 20% of each head's positions the model needs
     most in 4/4 bits, the rest in 4/2 (written "4/2+20%@4"). 16 means the 16-bit dtype, for both.
     Compares and hashes as a plain int when keys and values agree and there is no sharper share, so
@@ -46,10 +47,10 @@ class Bits:
         if share:
             if not 0.0 < share < 1.0 or round(share * 100) != share * 100:
                 raise ValueError(f"a sharper share is a whole percentage between 1% and 99%, not {share:.4g}")
-            if sharp is None or keys == 16:
+            if sharp is None or keys == 16 or values == 16:
                 raise ValueError("a sharper share needs its own bits, and the rest below 16 bits")
             _check_pair(*sharp)
-            if sharp[0] == 16 or sharp[0] < keys or sharp[1] < values or tuple(sharp) == (keys, values):
+            if 16 in sharp or sharp[0] < keys or sharp[1] < values or tuple(sharp) == (keys, values):
                 raise ValueError(f"the sharper share's bits ({_pair_text(*sharp)}) must be above the rest's "
                                  f"({_pair_text(keys, values)}) and below 16")
             sharp = (int(sharp[0]), int(sharp[1]))

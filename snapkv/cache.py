@@ -168,18 +168,18 @@ class CompressedCache:
             raise ValueError(f"{bits} bits {'need' if bits.share else 'take no'} sharper positions")
         compute = self.keys[0].dtype
         keys, values, payload = [], [], []
-        sixteen = storage_dtype(compute, self.keys + self.values) if bits == 16 else None
+        in_sixteen = [part for part, kind_bits in ((self.keys, bits.keys), (self.values, bits.values)) if kind_bits == 16]
+        sixteen = storage_dtype(compute, [t for part in in_sixteen for t in part]) if in_sixteen else None
         for index, (layer_keys, layer_values) in enumerate(zip(self.keys, self.values)):
-            if bits == 16:
-                stored = (layer_keys.to(sixteen), layer_values.to(sixteen))
+            if sharp is None:
+                schemes = stored_schemes(bits, layer_keys.shape[-1])  # None: that kind in 16 bits
+                stored = tuple(x.to(sixteen) if scheme is None else quantize(x, scheme)
+                               for x, scheme in zip((layer_keys, layer_values), schemes))
             else:
                 schemes = stored_schemes(bits.rest, layer_keys.shape[-1])
-                if sharp is None:
-                    stored = tuple(quantize(x, scheme) for x, scheme in zip((layer_keys, layer_values), schemes))
-                else:
-                    sharper = stored_schemes(bits.sharper, layer_keys.shape[-1])
-                    stored = tuple(quantize_mixed(x, sharp[index], high, low) for x, high, low
-                                   in zip((layer_keys, layer_values), sharper, schemes))
+                sharper = stored_schemes(bits.sharper, layer_keys.shape[-1])
+                stored = tuple(quantize_mixed(x, sharp[index], high, low) for x, high, low
+                               in zip((layer_keys, layer_values), sharper, schemes))
             restored = [part.to(compute) if isinstance(part, torch.Tensor) else dequantize(part, compute)
                         for part in stored]
             keys.append(restored[0])

@@ -26,9 +26,11 @@ File layout, format 2 and 3 (safetensors, never pickle):
                                       ({"lanes", "sha256"}: the same bytes hashed in runs at once),
                                       payload_xxh3_128 (payload_checksum): the newest of the three present
                                       is checked
-A file is written in the oldest format that holds it: 3.0 only with a sharper share, so that snapkv
-versions before it read every other file and refuse these asking for an upgrade. Format 1 (snapkv 0.1:
-positions as int32, keys and values in the model's dtype) is still read.
+    16/8 bits (format 4): layers.{i}.keys as at 16 bits, layers.{i}.values as at 8 bits; storage holds the
+                                      keys' "dtype" and the values' scheme
+A file is written in the oldest format that holds it: 3.0 only with a sharper share, 4.0 only with keys in 16
+bits and values in fewer, so that snapkv versions before them read every other file and refuse these asking for
+an upgrade. Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
 
 This module owns the schema: nothing else writes or interprets these keys. The store folder
 (naming, look-up, listing) is snapkv.store; the atomic write is snapkv.atomic.
@@ -59,8 +61,10 @@ from .paths import CACHE_SUFFIX
 from .quantize import Mixed, Quantized, Scheme, dequantize
 
 FORMAT_NAME = "snapkv-cache"
-FORMAT_VERSION = (3, 0)  # the newest this snapkv writes and reads
-PLAIN_FORMAT_VERSION = (2, 0)  # what a file without a sharper share is written as
+FORMAT_VERSION = (4, 0)  # the newest this snapkv writes and reads
+SPLIT_FORMAT_VERSION = (4, 0)  # keys in 16 bits and values in fewer ("16/8")
+SHARP_FORMAT_VERSION = (3, 0)  # a sharper share
+PLAIN_FORMAT_VERSION = (2, 0)  # every other file
 SUFFIX = CACHE_SUFFIX
 MAX_HEADER_BYTES = 64 * 2**20
 # Identity fields that must match for a saved cache to be reused, with what they mean to a user.
@@ -215,10 +219,12 @@ def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict
     if isinstance(keys, Mixed):
         storage.update(keys=keys.low.scheme.to_dict(), values=values.low.scheme.to_dict(),
                        sharp_keys=keys.high.scheme.to_dict(), sharp_values=values.high.scheme.to_dict())
-    elif isinstance(keys, Quantized):
-        storage.update(keys=keys.scheme.to_dict(), values=values.scheme.to_dict())
     else:
-        storage["dtype"] = str(keys.dtype).replace("torch.", "")
+        for kind, part in (("keys", keys), ("values", values)):
+            if isinstance(part, Quantized):
+                storage[kind] = part.scheme.to_dict()
+            else:  # a kind in 16 bits: the dtype it is stored in
+                storage["dtype"] = str(part.dtype).replace("torch.", "")
     return tensors, storage
 
 
@@ -229,7 +235,9 @@ def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_que
 
     from . import __version__
 
-    version = FORMAT_VERSION if cache.tier.bits.share else PLAIN_FORMAT_VERSION
+    bits = cache.tier.bits
+    version = (SPLIT_FORMAT_VERSION if bits.keys == 16 and bits.values != 16
+               else SHARP_FORMAT_VERSION if bits.share else PLAIN_FORMAT_VERSION)
     return {
         "format": FORMAT_NAME,
         "version": f"{version[0]}.{version[1]}",
@@ -441,7 +449,7 @@ def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, in
     """A layer's keys or values as stored: a 16-bit tensor, Quantized, or Mixed (its shapes checked). masks: the
     sharper masks read so far for this layer, by their bytes: the keys' and values' are the same mask as saved, read
     once and held as one tensor (so that a question's pass can tell they agree without comparing them)."""
-    if bits == 16:
+    if (bits.keys if kind == "keys" else bits.values) == 16:
         part = tensors[name]
         if part.dtype not in (torch.float16, torch.bfloat16):
             raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
@@ -477,11 +485,13 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
         bits = None
     if bits is None or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
         raise CacheFileError(f"{path}: damaged metadata (storage {storage!r})")
-    parts = ("",) if bits == 16 else (".codes", ".scale", ".minimum")
+    parts = {kind: ("",) if kind_bits == 16 else (".codes", ".scale", ".minimum")
+             for kind, kind_bits in (("keys", bits.keys), ("values", bits.values))}
     if bits.share:
-        parts += (".sharp_mask", ".sharp_codes", ".sharp_scale", ".sharp_minimum")
+        parts = {kind: found + (".sharp_mask", ".sharp_codes", ".sharp_scale", ".sharp_minimum")
+                 for kind, found in parts.items()}
     expected = {"token_ids"} | {f"layers.{i}.{kind}{part}" for i in range(layers) for kind in ("keys", "values")
-                                for part in parts} | {f"layers.{i}.kept" for i in range(layers)}
+                                for part in parts[kind]} | {f"layers.{i}.kept" for i in range(layers)}
     if set(tensors) != expected:
         raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
     found = []
@@ -571,8 +581,8 @@ def load_cache(path: Path, *, identity: dict | None = None,
         found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, defer)
     for index, (keys, values, positions, _) in enumerate(found):
         _check_layer(path, index, keys, values, positions, length, identity, from_mask=format_2)
-    defer = defer and all(stored is not None and not any(isinstance(part, torch.Tensor) for part in stored)
-                          for *_, stored in found)  # only quantized layers are left as stored
+    defer = defer and all(stored is not None and not all(isinstance(part, torch.Tensor) for part in stored)
+                          for *_, stored in found)  # layers with a quantized kind are left as stored
     span = metadata.get("document_span")
     if span is not None and not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)
                                  and 0 <= span[0] <= span[1] <= length):
@@ -580,9 +590,12 @@ def load_cache(path: Path, *, identity: dict | None = None,
     if defer:
         keys = StoredLayers([keys for keys, *_ in found], restore_dtype)
         values = StoredLayers([values for _, values, *_ in found], restore_dtype)
-    else:
-        keys = [keys.to(device=devices[i], dtype=dtype) for i, (keys, _, _, _) in enumerate(found)]
-        values = [values.to(device=devices[i], dtype=dtype) for i, (_, values, _, _) in enumerate(found)]
+    else:  # a part left as stored for a deferred load that cannot be one (16-bit keys beside quantized values)
+        def restored(part):
+            return part if isinstance(part, torch.Tensor) else dequantize(part, restore_dtype)
+
+        keys = [restored(keys).to(device=devices[i], dtype=dtype) for i, (keys, _, _, _) in enumerate(found)]
+        values = [restored(values).to(device=devices[i], dtype=dtype) for i, (_, values, _, _) in enumerate(found)]
     cache = CompressedCache(
         keys=keys,
         values=values,

@@ -21,7 +21,8 @@ from .quantize import Mixed, Quantized, dequantize
 
 
 class StoredLayers(Sequence):
-    """One kind (keys or values) of every layer as stored (Quantized or Mixed, each (kv_heads, kept, head_dim)),
+    """One kind (keys or values) of every layer as stored (Quantized or Mixed, or a 16-bit tensor where that kind is
+    kept in 16 bits beside quantized other one; each (kv_heads, kept, head_dim)),
     read as a list of tensors: item i is layer i restored in `dtype` the first time it is read, then kept."""
 
     def __init__(self, parts: list["Quantized | Mixed"], dtype: torch.dtype) -> None:
@@ -49,6 +50,8 @@ class StoredLayers(Sequence):
     @property
     def device(self) -> torch.device:
         part = self.parts[0]
+        if isinstance(part, torch.Tensor):
+            return part.device
         return (part if isinstance(part, Quantized) else part.high).scale.device
 
 

@@ -128,6 +128,7 @@ class Comparison:
     questions: int = 0
     agreed: int = 0                  # first sentence identical
     changed: int = 0                 # answers with a number or name of the reference lacking or altered
+    changed_right: int = 0           # of those, answers whose reference stated the expected fact (not a guess)
     found: int = 0                   # expected facts found by this setting
     reference_found: int = 0
     lost: int = 0                    # found by the reference, not by this setting
@@ -153,7 +154,8 @@ class Comparison:
     def to_dict(self) -> dict:
         return {"setting": self.setting, "reference": self.reference, "questions": self.questions,
                 "agreed": self.agreed, "agreement": self.agreement, "changed": self.changed,
-                "changed_share": self.changed_share, "found": self.found, "reference_found": self.reference_found,
+                "changed_share": self.changed_share, "changed_right": self.changed_right, "found": self.found,
+                "reference_found": self.reference_found,
                 "lost": self.lost, "gained": self.gained, "kinds": self.kinds, "file_bytes": self.file_bytes,
                 "reference_bytes": self.reference_bytes, "bytes_ratio": self.bytes_ratio, "examples": self.examples}
 
@@ -194,6 +196,7 @@ def compare_settings(documents: list[dict], setting: str, reference: str) -> Com
             changes = compare(reference_answer["text"], answer["text"], question["question"])
             if changes or (reference_answer["found"] and not answer["found"]):
                 result.changed += bool(changes)
+                result.changed_right += bool(changes) and reference_answer["found"]
                 result.examples.append({
                     "document": document["name"], "question": question["question"], "expected": question["answer"],
                     "reference": reference_answer["text"], "answer": answer["text"],

@@ -68,11 +68,13 @@ GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide v
 LOW_BITS_KEY_GROUP = 128
 
 
-def stored_schemes(bits: Bits, head_dim: int) -> tuple[Scheme, Scheme]:
-    """(keys, values) schemes a cache is stored with below 16 bits: at 8 bits KIVI's groups of 32, unrotated
-    (answers as the full cache); fewer bits Hadamard-rotated, keys per channel in groups of 128 tokens, values
-    per token over the whole head (the group's scale and minimum cost less, the rotation keeps the error low)."""
-    def scheme(kind_bits: int, axis: int) -> Scheme:
+def stored_schemes(bits: Bits, head_dim: int) -> tuple[Scheme | None, Scheme | None]:
+    """(keys, values) schemes a cache is stored with: None for a kind kept in 16 bits; at 8 bits KIVI's groups of
+    32, unrotated; fewer bits Hadamard-rotated, keys per channel in groups of 128 tokens, values per token over the
+    whole head (the group's scale and minimum cost less, the rotation keeps the error low)."""
+    def scheme(kind_bits: int, axis: int) -> Scheme | None:
+        if kind_bits == 16:
+            return None
         if kind_bits == 8:
             return Scheme(8, axis, GROUP if axis == TOKENS else min(GROUP, head_dim))
         return Scheme(kind_bits, axis, LOW_BITS_KEY_GROUP if axis == TOKENS else head_dim, rotated=True)
@@ -269,7 +271,7 @@ def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: 
     return status == 0
 
 
-def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float32, room: int = 0,
+def dequantize(quantized: "Quantized | Mixed | torch.Tensor", dtype: torch.dtype = torch.float32, room: int = 0,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """(kv_heads, tokens, head_dim) in `dtype`. In fp32 or bf16 on a CPU with snapkv's C kernels, one pass in C
     (snapkv/kernels/dequantize.c: the same values, a rotated tensor within rounding); else PyTorch's ops.
@@ -279,12 +281,17 @@ def dequantize(quantized: "Quantized | Mixed", dtype: torch.dtype = torch.float3
     out: a flat buffer of `dtype` with at least kv_heads * (tokens + room) * head_dim elements to restore into
     (its start is that buffer); None: a new one."""
     heads, tokens, head_dim = quantized.shape
-    device = quantized.scale.device if isinstance(quantized, Quantized) else quantized.high.scale.device
+    if isinstance(quantized, torch.Tensor):  # a kind stored in 16 bits (Bits(16, 8)'s keys): copied as it is
+        device = quantized.device
+    else:
+        device = quantized.scale.device if isinstance(quantized, Quantized) else quantized.high.scale.device
     if out is None:
         buffer = torch.empty((heads, tokens + room, head_dim), dtype=dtype, device=device)
     else:
         buffer = out[: heads * (tokens + room) * head_dim].view(heads, tokens + room, head_dim)
     out = buffer[:, :tokens]
+    if isinstance(quantized, torch.Tensor):
+        return out.copy_(quantized)
     rows = buffer.view(heads * (tokens + room), head_dim)
     if isinstance(quantized, Mixed):
         for destination, part in zip(quantized.destination_rows(room), (quantized.high, quantized.low)):

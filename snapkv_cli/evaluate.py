@@ -193,7 +193,7 @@ def _comparison_table(title: str, comparisons: list, with_bytes: bool):
     from rich.table import Table
 
     table = Table(title=title)
-    columns = ["setting", "asked", "same", "changed", "found", "ref found", "lost", "how changed"]
+    columns = ["setting", "asked", "same", "changed", "of right", "found", "ref found", "lost", "how changed"]
     for column in columns + (["smaller"] if with_bytes else []):
         table.add_column(column, justify="left" if column in ("setting", "how changed") else "right",
                          overflow="fold")
@@ -201,15 +201,21 @@ def _comparison_table(title: str, comparisons: list, with_bytes: bool):
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(c.kinds.items(), key=lambda item: -item[1])
                           if kind != "same")
         row = [c.setting, str(c.questions), f"{c.agreement:.1%}", f"{c.changed} ({c.changed_share:.1%})",
-               str(c.found), str(c.reference_found), str(c.lost), kinds or "-"]
+               str(c.changed_right), str(c.found), str(c.reference_found), str(c.lost), kinds or "-"]
         table.add_row(*row, *([f"{c.bytes_ratio:.2f}x"] if with_bytes else []))
     return table
+
+
+# The benchmark's own documents (snapkv/data/fidelity), as --help describes them; a test keeps this true.
+SHIPPED_DOCUMENTS = "17 documents shipped with snapkv, 1.5k-7k tokens, 431 questions"
+# The stored tiers compared by default: the whole prompt at every precision that measured well or is smaller.
+FIDELITY_TIERS = "16/8,16/4,16/3,8,8/4,4/3,3/2+20%@8/4"
 
 
 @app.command()
 def fidelity(
     tiers: str = typer.Option(
-        "8,8/4,4/4,4/3,3/2+20%@8/4", help="Stored tiers to compare with the 16-bit cache (--store-bits values), "
+        FIDELITY_TIERS, help="Stored tiers to compare with the 16-bit cache (--store-bits values), "
         "comma-separated; the default tier is always included."),
     budget: int = typer.Option(DEFAULTS.budget, parser=lambda v: v if isinstance(v, int) else parse_size(v, name="--budget"),
                                metavar="SIZE", help="Per-question budget the stored tiers are compared at."),
@@ -217,8 +223,8 @@ def fidelity(
         "", "--cut-budgets", help="Budgets at which the 16-bit cache's per-question cut is compared with the full "
         "cache, comma-separated (default: --budget)."),
     documents: Optional[Path] = typer.Option(
-        None, "--documents", help="A folder of NAME.txt documents with NAME.json questions (default: the 12 "
-        "documents shipped with snapkv, 1k-7.5k tokens, 190 questions)."),
+        None, "--documents", help="A folder of NAME.txt documents with NAME.json questions (default: the "
+        f"{SHIPPED_DOCUMENTS})."),
     only: str = typer.Option("", help="Only these documents, by name, comma-separated."),
     needle_lengths: str = typer.Option("2k,4k,7k", help="The needle grid's lengths, comma-separated ('' for none)."),
     needle_depths: str = typer.Option("10,40,60,90", help="The needle grid's depths in percent, comma-separated."),

@@ -13,10 +13,14 @@ from .options import PasswordOption
 
 def describe(path: Path) -> dict:
     """The metadata plus sizes and per-layer kept counts (the file is fully validated)."""
+    from dataclasses import asdict
+
     from snapkv.cachefile import load_cache, per_question_of
+    from snapkv.measured import fidelity_of
 
     cache, metadata = load_cache(path)
     per_question = per_question_of(path, metadata)
+    measured = fidelity_of(metadata.get("storage", {}).get("bits", 16))
     return {
         **metadata,
         "path": str(path),
@@ -27,6 +31,7 @@ def describe(path: Path) -> dict:
         "bytes_per_layer": cache.stored_layer_bytes(),
         "held": cache.tier.describe(),
         "answered_with": per_question.describe() if per_question else "the cache as it is",
+        "fidelity": asdict(measured) if measured else None,   # what `snapkv eval fidelity` measured for its tier
     }
 
 
@@ -72,6 +77,18 @@ def _bits_described(bits) -> str:
         return f"{bits} bits (unknown)"
 
 
+def _fidelity_described(bits) -> str:
+    """What `snapkv eval fidelity` measured for this file's stored bits."""
+    from snapkv.measured import fidelity_of
+
+    if str(bits) == "16":
+        return "16 bits: the reference tier (every other tier is measured against it)"
+    measured = fidelity_of(bits)
+    if measured is None:
+        return f"{bits} bits: not measured (snapkv eval fidelity --tiers {bits})"
+    return f"measured for {bits} bits: {measured.describe()} (README, What is saved)"
+
+
 def show(data: dict) -> None:
     from rich.table import Table
 
@@ -95,6 +112,7 @@ def show(data: dict) -> None:
     table.add_row("mode", inert(str(data.get("mode"))))
     table.add_row("holds", inert(data["held"]))
     table.add_row("answers", inert(f"per question: {data['answered_with']}"))
+    table.add_row("fidelity", inert(_fidelity_described(storage.get("bits", 16))))
     table.add_row("KV", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB for the "
                         f"full cache in 16 bits ({data['kv_bytes_full'] / max(data['kv_bytes'], 1):.1f}x)")
     layers = [f"{index}: {kept} x {bits}, {size / 2**10:.0f} KiB" for index, (kept, size)

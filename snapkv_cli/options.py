@@ -6,6 +6,7 @@ import typer
 
 from snapkv.bits import Bits
 from snapkv.config import DEFAULTS, SnapKVConfig
+from snapkv.measured import measured_tiers
 from snapkv.sizes import parse_size
 
 
@@ -21,7 +22,10 @@ ModelOption = Annotated[Optional[str], typer.Option(
     help="Hugging Face id (local cache only), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")]
 BudgetOption = Annotated[int, typer.Option(
     parser=size("--budget"), metavar="SIZE",
-    help="Positions kept per KV head per layer for each answer, the observation window included (1k = 1024).")]
+    help="Positions kept per KV head per layer for each answer, the observation window included (1k = 1024). "
+         "A document up to the budget is answered from all of it. The default, 4096, was chosen by `snapkv eval "
+         "fidelity` against the full cache: answers to 443 questions were 84% identical and lost 1 of 107 facts "
+         "found (on the documents alone, 1024 gave 35% identical and 18 lost, 2048 58% and 6; README, Defaults).")]
 WindowOption = Annotated[int, typer.Option(
     parser=size("--window"), metavar="SIZE", help="Observation window: how many final positions decide what is kept.")]
 KernelOption = Annotated[int, typer.Option(help="Width of the pooling over attention scores (odd); wider keeps whole numbers and names.")]
@@ -57,14 +61,14 @@ def _bits(value):
 
 StoreBitsOption = Annotated[Bits, typer.Option(
     parser=_bits, metavar="BITS",
-    help="Bits per saved key and value: 16 (lossless in bf16), 8, 4, 3 or 2, keys and values apart as "
-         "KEYS/VALUES (4/3), or a sharper share as REST+SHARE%@SHARP: 3/2+20%@8/4 (the default) keeps each "
-         "head's 20% of positions that a generic question and the document's tail attend to most in 8/4 bits "
-         "and the rest in 3/2: 4.3x smaller than 16 bits, and it answered the needle grid at budget 1024 and "
-         "the many-facts documents as the full cache did (a few short probe passes after the prefill). 8: 1.8x "
-         "smaller, answers as the full cache did; 4/3: 4.1x, missed 2 of 44 needles; 2: loses most answers. "
-         "Below 8 bits each head's vectors are Hadamard-rotated before rounding. Computation stays in the "
-         "model's dtype.")]
+    help=f"Bits per saved key and value: 16 (lossless in bf16), 8, 4, 3 or 2, keys and values apart as "
+         f"KEYS/VALUES (16/4: keys in 16 bits, values in 4), or a sharper share as REST+SHARE%@SHARP (3/2+20%@8/4: "
+         f"each head's 20% of positions that a generic question and the document's tail attend to most in 8/4 "
+         f"bits, the rest in 3/2). Default {DEFAULTS.store_bits}: the smallest tier that `snapkv eval fidelity` "
+         f"measured to lose no fact the 16-bit file answers and to change a number or name in at most 1% of "
+         f"answers. Measured against the 16-bit file, every question cut to the default budget (answers identical "
+         f"to the 16-bit file's, answers with a number or name changed, facts lost): {measured_tiers()}. Below 8 "
+         f"bits each head's vectors are Hadamard-rotated before rounding. Computation stays in the model's dtype.")]
 PrefillChunkOption = Annotated[Optional[int], typer.Option(
     parser=size("--prefill-chunk"), metavar="SIZE",
     help="Prefill a longer prompt in chunks of SIZE tokens, cutting every layer back with SnapKV after each: "

@@ -6,7 +6,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dataclasses import asdict
+
 from snapkv.cachefile import read_metadata
+from snapkv.config import DEFAULTS
+from snapkv.measured import fidelity_of
 from snapkv.errors import ConfigError, DocumentError
 from snapkv_cli.app import app
 from snapkv_cli.render import inert
@@ -35,6 +39,10 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     assert described["sources"][0]["name"] == str(SAMPLE)
     human = invoke("info", str(output))
     assert "SmolLM2-135M-Instruct" in human.stdout and "document-window" in human.stdout
+    # the file's tier (the default bits) with what `snapkv eval fidelity` measured for it
+    assert described["storage"]["bits"] == str(DEFAULTS.store_bits)
+    assert described["fidelity"] == asdict(fidelity_of(DEFAULTS.store_bits)) and described["fidelity"]["lost"] == 0
+    assert f"measured for {DEFAULTS.store_bits} bits" in " ".join(human.stdout.split())
     # the store: one entry from an ask, listed, removed; clear
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
     entries = json.loads(invoke("cache", "list", "--json").stdout)
@@ -86,14 +94,14 @@ def test_asking_a_file_with_flags_that_contradict_it(home, tmp_path):
                                           r"document-window cache"):
         invoke("ask", str(whole), REVENUE, "--no-query-aware")
     with pytest.raises(ConfigError, match=r"--store-\* options describe another stored tier"):
-        invoke("ask", str(wide), REVENUE, "--store-bits", "4")  # the file holds the default, 3/2+20%@8/4
+        invoke("ask", str(wide), REVENUE, "--store-bits", "4")  # the file holds the default, 16/8
     with pytest.raises(ConfigError, match=r"holds a document-window cache.*--no-compress asks for the full cache"):
         invoke("ask", str(narrow), REVENUE, "--no-compress")
 
 
 @pytest.mark.slow
 def test_the_repl_saves_what_the_cache_holds(home, tmp_path):
-    """/query-aware off, then /save: the file says what it holds, answered as it is (not a 1024 budget it never
+    """/query-aware off, then /save: the file says what it holds, answered as it is (not the default budget it never
     had): for a whole-prompt cache, and for the default stored tier."""
     saved = tmp_path / "after.snapkv"
     result = invoke("repl", str(SAMPLE), "--store-keep", "1", "--store-bits", "16",
@@ -103,13 +111,15 @@ def test_the_repl_saves_what_the_cache_holds(home, tmp_path):
     assert described["mode"] == "full" and described["tier"]["cut"] is None and described["per_question"] is None
     assert min(described["kept_per_layer"]) == described["original_length"]
     human = invoke("info", str(saved)).stdout
-    assert "whole prompt" in human and "the cache as it is" in human and "1024" not in human
+    assert "whole prompt" in human and "the cache as it is" in human and str(DEFAULTS.budget) not in human
     tier = tmp_path / "tier.snapkv"
     assert invoke("repl", str(SAMPLE), "--store-keep", "0.7", "--store-bits", "4",
                   input=f"/query-aware off\n/save {tier}\n").exit_code == 0
     described = json.loads(invoke("info", str(tier), "--json").stdout)
     assert described["mode"] == "tier-only" and described["per_question"] is None
     assert described["tier"]["cut"]["method"] == "pseudo-question" and described["tier"]["bits"] == 4
+    assert described["fidelity"] is None  # 4 bits alone was not measured, and info says so
+    assert "4 bits: not measured" in " ".join(invoke("info", str(tier)).stdout.split())
     assert max(described["kept_per_layer"]) < described["original_length"]
 
 

@@ -19,9 +19,9 @@ from snapkv.scoring import gather_positions, kept_indices, mean_over_query_group
     (dict(pooling="median"), "pooling"),
     (dict(budget=1024, store_keep=None, store_budget=512), "store_budget"),
     (dict(store_keep=1.5), "fraction"),
-    (dict(store_keep=0.5, store_budget=2048), "not both"),
+    (dict(store_keep=0.5, store_budget=8192), "not both"),
     (dict(store_bits=5), "store_bits"),
-    (dict(store_bits="16/4"), "16 bits is for keys and values both"),
+    (dict(store_bits="4/16"), "values in 16 bits need keys in 16 bits too"),
     (dict(store_bits="4/x"), "KEYS/VALUES"),
     (dict(store_method="magic"), "magic"),
 ])
@@ -34,8 +34,8 @@ def test_which_cut_at_prefill_and_which_per_question():
     query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True, store_keep=0.7)
     assert query_aware.stored_tier == Cut(None, 32, PseudoQuestion(kernel=7), keep=0.7)
     assert query_aware.mode == "query-aware"
-    # the default file: the whole prompt, its sharper 20% at 8/4 bits, the rest at 3/2
-    assert DEFAULTS.stored_tier is None and str(DEFAULTS.store_bits) == "3/2+20%@8/4"
+    # the default file: the whole prompt, keys in 16 bits and values in 8 (chosen by `snapkv eval fidelity`)
+    assert DEFAULTS.stored_tier is None and str(DEFAULTS.store_bits) == "16/8"
     assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"))
     assert SnapKVConfig(store_keep=None).stored_tier is None  # the whole prompt
     tier = SnapKVConfig(budget=256, query_aware=True, store_keep=None, store_budget=2048,
@@ -50,7 +50,7 @@ def test_which_cut_at_prefill_and_which_per_question():
 
 
 def test_defaults_live_in_one_place():
-    assert (DEFAULTS.budget, DEFAULTS.window, DEFAULTS.kernel, DEFAULTS.pooling) == (1024, 32, 15, "max")
+    assert (DEFAULTS.budget, DEFAULTS.window, DEFAULTS.kernel, DEFAULTS.pooling) == (4096, 32, 15, "max")
     assert DEFAULTS.kernel == SnapKV().kernel and DEFAULTS.pooling == SnapKV().pooling
     assert DEFAULTS.query_aware and DEFAULTS.method == SnapKV.name
 

@@ -32,6 +32,26 @@ def test_sample_report_answer(embedded):
     assert "184.6" in text, text
 
 
+SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
+
+
+@pytest.mark.slow
+def test_readme_questions_keep_their_figures(home, cli):
+    """README's first commands as a user types them, with the defaults: the revenue and the net debt come out
+    right, the second from the saved cache, and no answer states a number the report does not hold."""
+    from snapkv.facts import numbers_of
+
+    in_document = set(numbers_of(SAMPLE.read_text()))
+    first = cli("ask", "--no-server", "-q", SAMPLE, "What was the 2023 revenue?")
+    second = cli("ask", "--no-server", "-q", SAMPLE, "What is the net debt?")
+    assert first.code == 0 and second.code == 0, first.stderr + second.stderr
+    assert "184.6" in first.stdout, first.stdout
+    assert "96.4" in second.stdout, second.stdout
+    for answer in (first.stdout, second.stdout):
+        assert set(numbers_of(answer)) <= in_document, answer
+    assert len(list((home / "caches").glob("*.snapkv"))) == 1  # the second question read the first one's cache
+
+
 @pytest.mark.slow
 def test_readme_library_example_runs(embedded_home, tmp_path, monkeypatch, capsys):
     """The README's library example, run as written (from a folder where samples/ is found)."""
@@ -44,5 +64,5 @@ def test_readme_library_example_runs(embedded_home, tmp_path, monkeypatch, capsy
     (tmp_path / "samples").symlink_to(Path(__file__).parent.parent / "samples")
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert "184.6" in printed and "query-aware | whole prompt, 3/2-bit, 20% at 8/4-bit" in printed
+    assert "184.6" in printed and "query-aware | whole prompt, 16/8-bit" in printed
     assert (tmp_path / "report.snapkv").is_file()

@@ -8,6 +8,7 @@ from snapkv.bits import Bits
 from snapkv.config import DEFAULTS
 from snapkv.facts import compare, fact_found, first_sentence, how_changed, names_of, numbers_of, sentence_complete
 from snapkv.fidelity import FULL, Setting, compare_settings, load_documents, needle_documents, run_fidelity, settings_for
+from snapkv_cli.evaluate import SHIPPED_DOCUMENTS
 
 
 def test_first_sentence_ends_at_a_sentence_end_not_a_decimal_point_or_abbreviation():
@@ -65,6 +66,8 @@ def test_shipped_documents_hold_their_answers():
     kinds = {q.kind for q in questions}
     assert kinds == {"decimal", "number", "date", "code", "name"}
     assert sum(q.detail == "secondary" for q in questions) >= len(questions) // 5
+    # `snapkv eval fidelity --help` describes them truly
+    assert f"{len(documents)} documents" in SHIPPED_DOCUMENTS and f"{len(questions)} questions" in SHIPPED_DOCUMENTS
 
 
 def test_settings_and_comparisons_count_questions():

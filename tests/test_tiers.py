@@ -160,7 +160,8 @@ def test_stored_bits_take_a_sharper_share():
     assert len({Bits.parse("4/2+20%@4"), Bits(4, 2, share=0.2, sharp=(4, 4)), Bits(4, 2)}) == 2
     for bad, message in [("4/2+0%@4", "1 to 99"), ("4/2+100%@4", "between 1% and 99%"), ("4/2+20@4", "SHARE%@"),
                          ("4/2+2.5%@4", "1 to 99"), ("4+20%@4", "above the rest"), ("4/2+20%@16", "below 16"),
-                         ("16+20%@8", "below 16"), ("4/2+20%@5", "must be 16, 8")]:
+                         ("16+20%@8", "below 16"), ("4/2+20%@5", "must be 16, 8"), ("8/16", "keys in 16 bits too"),
+                         ("16/8+20%@16/8", "below 16")]:
         with pytest.raises(ValueError, match=message):
             Bits.parse(bad)
 
@@ -301,7 +302,7 @@ def test_derived_tier_equals_a_built_one(tiny_loaded):
 
 # ------------------------------------------------------------------------------------------ files
 
-@pytest.mark.parametrize("bits", [16, 8, 4, 2, "4/3", "4/2+20%@4"])
+@pytest.mark.parametrize("bits", [16, "16/8", "16/4", 8, 4, 2, "4/3", "4/2+20%@4"])
 def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tmp_path, bits):
     settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_method="reconstruction", store_bits=bits)
     session = Session(tiny_loaded, settings, store=CacheStore(tmp_path))
@@ -317,8 +318,11 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
     assert list(answer(tiny_loaded.model, built.cache, question, per_question=cut, max_new_tokens=8)) == \
         list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
     metadata = read_metadata(built.path)
-    assert metadata["version"] == ("3.0" if "%" in str(bits) else "2.0") and metadata["tier"]["bits"] == bits
+    version = "4.0" if str(bits).startswith("16/") else "3.0" if "%" in str(bits) else "2.0"
+    assert metadata["version"] == version and metadata["tier"]["bits"] == bits
     assert (metadata["storage"].get("keys", {}).get("rotation") == "hadamard") == (Bits.parse(bits).keys < 8)
+    assert ("keys" in metadata["storage"]) == (Bits.parse(bits).keys < 16)
+    assert ("values" in metadata["storage"]) == (Bits.parse(bits).values < 16)
     assert metadata["tier"]["cut"]["method"] == "reconstruction" and metadata["tier"]["cut"]["keep"] == 0.5
     assert metadata["storage"]["bits"] == bits and metadata["document_span"] == [built.cache.document.start,
                                                                                    built.cache.document.stop]
@@ -343,12 +347,13 @@ def test_a_quantized_file_loads_straight_into_bf16(tiny_loaded, tmp_path, monkey
 
 def test_fewer_bits_make_smaller_files(tiny_loaded, tmp_path):
     sizes = {}
-    for bits in (16, 8, 4, "4/3", "4/2+20%@4", 2):
+    for bits in (16, "16/8", "16/4", 8, 4, "4/3", "4/2+20%@4", 2):
         session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8, store_keep=None, store_bits=bits),
                           store=CacheStore(tmp_path))
         sizes[bits] = session.prepare(DOCUMENT).file_bytes
     # the KV shrinks with the bits; ids, masks, scales and the header stay
     assert sizes[16] > 1.6 * sizes[8] and sizes[8] > 1.4 * sizes[4] > 1.4 * 1.2 * sizes[2]
+    assert sizes[16] > 1.2 * sizes["16/8"] and sizes["16/8"] > 1.1 * sizes["16/4"] > sizes[8]
     assert sizes[4] > sizes["4/3"] > sizes["4/2+20%@4"] > sizes[2]
 
 
