@@ -39,6 +39,7 @@ This module owns the schema: nothing else writes or interprets these keys. The s
 import ctypes
 import hashlib
 import json
+import re
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,7 @@ from . import native
 from .atomic import write_atomically
 from .bits import Bits
 from .cache import CompressedCache
+from .cacheschema import MAX_VOCABULARY, SchemaError, check_metadata
 from .deferred import StoredLayers
 from .config import Cut, Tier, mode_of
 from .documents import Source
@@ -67,6 +69,7 @@ SHARP_FORMAT_VERSION = (3, 0)  # a sharper share
 PLAIN_FORMAT_VERSION = (2, 0)  # every other file
 SUFFIX = CACHE_SUFFIX
 MAX_HEADER_BYTES = 64 * 2**20
+VERSION_TEXT = re.compile(r"(\d{1,4})\.(\d{1,4})")  # "4.0"
 # Identity fields that must match for a saved cache to be reused, with what they mean to a user.
 IDENTITY_FIELDS = {
     "model_type": "model family",
@@ -279,6 +282,8 @@ def _upgrade_1(metadata: dict, minor: int) -> dict:
     upgraded = {**metadata, "storage": {"bits": 16, "dtype": metadata.get("dtype"), "format": 1}}
     if minor == 0:
         stored, settings = metadata.get("stored"), metadata.get("settings") or {}
+        if not isinstance(stored, (dict, type(None))) or not isinstance(settings, dict):
+            raise SchemaError("stored", "format 1.0 settings must be objects")
         cut = {**stored, "method": "snapkv"} if stored else None
         per_question = None
         if metadata.get("mode") == "query-aware" and settings:
@@ -305,31 +310,46 @@ def read_metadata(path: Path) -> dict:
             (header_length,) = struct.unpack("<Q", prefix)
             if header_length > min(MAX_HEADER_BYTES, size - 8):
                 raise CacheFileError(f"{path}: not a snapkv cache (header length {header_length} does not fit the file)")
-            header = json.loads(file.read(header_length).decode("utf-8"))
+            header = _strict_json(file.read(header_length).decode("utf-8"))
     except FileNotFoundError as error:
         raise CacheFileError(f"{path}: no such cache file") from error
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (UnicodeDecodeError, ValueError, RecursionError) as error:
         raise CacheFileError(f"{path}: not a snapkv cache (unreadable header)") from error
     except OSError as error:
         raise CacheFileError(f"{path}: cannot read ({error})") from error
     try:
-        metadata = json.loads(header["__metadata__"]["snapkv"])
-    except (KeyError, TypeError, json.JSONDecodeError) as error:
+        text = header["__metadata__"]["snapkv"]
+        metadata = _strict_json(text)
+    except (KeyError, TypeError) as error:
         raise CacheFileError(f"{path}: a safetensors file, but not a snapkv cache") from error
+    except (ValueError, RecursionError) as error:
+        raise CacheFileError(f"{path}: damaged metadata (not valid JSON: {str(error)[:80]})") from error
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:
         raise CacheFileError(f"{path}: not a snapkv cache (format {metadata.get('format') if isinstance(metadata, dict) else None!r})")
-    try:
-        major, minor = (int(part) for part in str(metadata.get("version", "")).split("."))
-    except ValueError as error:
-        raise CacheFileError(f"{path}: unreadable format version {metadata.get('version')!r}") from error
+    version = VERSION_TEXT.fullmatch(metadata["version"]) if isinstance(metadata.get("version"), str) else None
+    if version is None or int(version[1]) < 1:
+        raise CacheFileError(f"{path}: unreadable format version {str(metadata.get('version'))[:40]!r}")
+    major, minor = int(version[1]), int(version[2])
     if major > FORMAT_VERSION[0]:
         raise CacheFileError(
             f"{path}: written by a newer snapkv (cache format {major}.{minor}; this snapkv reads formats 1.x to "
             f"{FORMAT_VERSION[0]}.x). Upgrade snapkv, or rebuild the cache with this version."
         )
-    if major == 1:
-        metadata = _upgrade_1(metadata, minor)
+    try:
+        if major == 1:
+            metadata = _upgrade_1(metadata, minor)
+        check_metadata(metadata, major)
+    except SchemaError as error:
+        raise CacheFileError(f"{path}: damaged metadata ({error})") from None
     return metadata
+
+
+def _strict_json(text: str):
+    """json.loads without NaN or Infinity (which are not JSON) and without the depth that would exhaust the stack."""
+    def refused(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refused)
 
 
 def tier_of(path: Path, metadata: dict) -> Tier:
@@ -408,6 +428,8 @@ def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, 
     if len(key_shape) != 3 or key_shape != value_shape or tuple(positions.shape) != key_shape[:2]:
         raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {key_shape}, "
                              f"{value_shape}, {tuple(positions.shape)})")
+    if key_shape[1] == 0:  # the template around the document is always kept
+        raise CacheFileError(f"{path}: damaged cache (layer {index} keeps no positions)")
     if identity is not None and (key_shape[0], key_shape[2]) != (identity["kv_heads"], identity["head_dim"]):
         raise IncompatibleCacheError(f"{path}: layer {index} has {key_shape[0]} KV heads of size {key_shape[2]}, "
                                      f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
@@ -424,8 +446,14 @@ def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> lis
     expected = {"token_ids"} | {f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values", "positions")}
     if set(tensors) != expected:
         raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
-    return [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"], tensors[f"layers.{i}.positions"], None)
-            for i in range(layers)]
+    found = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"], tensors[f"layers.{i}.positions"], None)
+             for i in range(layers)]
+    for index, (keys, values, positions, _) in enumerate(found):
+        if ({keys.dtype, values.dtype} - {torch.float16, torch.bfloat16, torch.float32}
+                or positions.dtype not in (torch.int32, torch.int64)):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} stored as {keys.dtype}, {values.dtype}, "
+                                 f"{positions.dtype})")
+    return found
 
 
 def _quantized_part(path: Path, tensors: dict, name: str, prefix: str, shape: tuple[int, int, int], storage: dict,
@@ -565,8 +593,11 @@ def load_cache(path: Path, *, identity: dict | None = None,
         raise CacheFileError(f"{path}: damaged cache (its contents do not match their digest); delete it and rebuild")
     digest_at = time.perf_counter()
     length, layers = _check_counts(path, metadata, identity)
-    if "token_ids" not in tensors or tensors["token_ids"].shape != (length,):
+    ids = tensors.get("token_ids")
+    if ids is None or ids.shape != (length,) or ids.dtype not in (torch.int32, torch.int64):
         raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
+    if int(ids.min()) < 0 or int(ids.max()) >= MAX_VOCABULARY:
+        raise CacheFileError(f"{path}: damaged cache (prompt ids outside any vocabulary)")
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
     if len(devices) != layers:
         raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")

@@ -12,14 +12,18 @@ each restore; for a question's attention on each layer's call; for the decode st
 block product's minimum term is a product and a sum, not one FMA (few_rows.c's FMAs are written out).
 """
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
+import time
 from importlib import resources
+from pathlib import Path
 
+from .ownership import private_folder, written_only_by_me
 from .paths import snapkv_home
 
 SOURCES = ("blockwise_matmul.c", "dequantize.c", "few_rows.c", "decode_step.c", "window_cut.c", "coded_attention.c")
@@ -28,6 +32,8 @@ HEADERS = ("simd.h", "tiles.h", "hadamard.h")  # included by the sources: writte
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 DISABLE = "SNAPKV_NATIVE_KERNELS"  # =0 turns the kernels off (measure against PyTorch)
 MAX_ROWS = 64  # as in the C source
+SCRATCH_PREFIX = "build-"   # a build's scratch folder in the kernels' folder
+ABANDONED_SECONDS = 600     # a scratch folder this old is left from a killed build
 
 
 class NativeUnavailable(RuntimeError):
@@ -52,12 +58,16 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
     include) and compiler have none yet."""
     material = b"".join(name.encode() + text for name, text in sources.items())
     digest = hashlib.sha256(material + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    folder = snapkv_home() / "native"
+    try:  # this user's alone: a library another could write or plant here would run inside snapkv
+        folder = private_folder(snapkv_home() / "native")
+    except OSError as error:
+        raise NativeUnavailable(f"the kernels' folder cannot be trusted: {error}") from error
     library = folder / f"kernels-{digest}.so"
-    if library.exists():
+    if written_only_by_me(library):
         return str(library)
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+    library.unlink(missing_ok=True)  # another's, a link, or writable by others: built again, never loaded
+    _remove_abandoned_builds(folder)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=SCRATCH_PREFIX) as scratch:
         for name, text in sources.items():
             with open(os.path.join(scratch, name), "wb") as handle:
                 handle.write(text)
@@ -72,10 +82,19 @@ def _build(sources: dict[str, bytes], compiler: str) -> str:
         if result.returncode != 0:
             first = (result.stderr.strip().splitlines() or ["no message"])[0]
             raise NativeUnavailable(f"compiling {', '.join(compiled)} failed: {first}")
+        os.chmod(built, 0o755)  # no one else may write it, whatever the umask
         os.replace(built, library)  # whole or absent: another process may be loading it
     for obsolete in folder.glob("blockwise_matmul-*.so"):  # the library's name before it held two files
         obsolete.unlink(missing_ok=True)
     return str(library)
+
+
+def _remove_abandoned_builds(folder: Path) -> None:
+    """Scratch folders of builds that were killed (a build that is running takes seconds, not ABANDONED_SECONDS)."""
+    for scratch in folder.glob(f"{SCRATCH_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            if time.time() - scratch.lstat().st_mtime > ABANDONED_SECONDS:
+                shutil.rmtree(scratch)
 
 
 def _load() -> ctypes.CDLL:

@@ -361,6 +361,9 @@ class Session:
         cache, metadata = load_cache(path, identity=self.loaded.identity, device=self.loaded.layer_devices,
                                      dtype=self.loaded.dtype, verify=self.verify, split=split,
                                      question_room=QUESTION_ROOM)
+        vocabulary = self.loaded.model.get_input_embeddings().num_embeddings
+        if int(cache.token_ids.max()) >= vocabulary:  # the ids are fed to the model when a tier is cut from the file
+            raise CacheFileError(f"{path}: damaged cache (prompt ids beyond the model's {vocabulary} tokens)")
         sources = recorded_sources(path, metadata)
         stale = stale_sources(sources) if check_sources else []
         notes = [("the cache is stale: " + "; ".join(stale) + ". Its answers reflect the old version; "

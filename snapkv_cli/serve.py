@@ -15,17 +15,21 @@ import hashlib
 import io
 import json
 import os
+import queue
 import signal
 import socket
+import stat
 import struct
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from snapkv.ownership import NotPrivate, private_folder, written_only_by_me
 from snapkv.paths import snapkv_home
 
 DEFAULT_IDLE_SECONDS = 900
@@ -35,15 +39,26 @@ FORWARDED_ENV = ("SNAPKV_MODEL", "SNAPKV_DEBUG", "SNAPKV_PDF_TIMEOUT", "SNAPKV_P
                  "COLUMNS", "NO_COLOR")
 
 
+MAX_REQUEST_BYTES = 1 << 20   # one request line: argv, folder and environment
+REQUEST_SECONDS = 10.0         # a client has this long to send its request once connected
+SEND_SECONDS = 60.0            # and to take each piece of output (a client that stops reading is dropped)
+STOP_SECONDS = 10.0            # `serve --stop` waits this long for a reply, then signals the server itself
+MAX_WAITING = 32               # connections read at once; more are turned away
+
+
 def socket_path() -> Path:
     """The server's socket: in the snapkv home, or, where that path is too long for a Unix socket, in a
     private folder of the user's named by the home."""
     home = snapkv_home()
     path = home / "serve.sock"
-    if len(str(path)) < 100:
+    if len(os.fsencode(path)) < 100:
         return path
     folder = Path(tempfile.gettempdir()) / f"snapkv-{os.getuid()}"
     return folder / f"{hashlib.sha256(str(home.resolve()).encode()).hexdigest()[:16]}.sock"
+
+
+def _lock_path() -> Path:
+    return snapkv_home() / "serve.lock"
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -52,15 +67,37 @@ def _send(connection: socket.socket, message: dict) -> None:
     connection.sendall((json.dumps(message) + "\n").encode())
 
 
+def _peer_uid(connection: socket.socket) -> int | None:
+    """Who is at the other end (Linux: SO_PEERCRED); None where the platform does not say."""
+    if not hasattr(socket, "SO_PEERCRED"):
+        return None
+    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid
+
+
+def _trusted_socket(path: Path) -> bool:
+    """The socket and its folder are this user's: a socket another user made must not receive our argv,
+    folder and environment."""
+    try:
+        found, folder = os.lstat(path), os.lstat(path.parent)
+    except OSError:
+        return False
+    return (stat.S_ISSOCK(found.st_mode) and found.st_uid == os.getuid() and folder.st_uid == os.getuid()
+            and not folder.st_mode & 0o002)
+
+
 def _connect(timeout: float = 2.0) -> socket.socket | None:
     path = socket_path()
-    if not path.exists():
+    if not _trusted_socket(path):
         return None
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.settimeout(timeout)
     try:
         connection.connect(str(path))
     except OSError:  # no server behind the socket (it died): run locally
+        connection.close()
+        return None
+    if _peer_uid(connection) not in (None, os.getuid()):  # someone else listens there: never talk to it
         connection.close()
         return None
     connection.settimeout(None)
@@ -88,7 +125,7 @@ def run_remotely(argv: list[str]) -> int | None:
     except KeyboardInterrupt:
         print("snapkv: interrupted; nothing half-written was left behind", file=sys.stderr)
         return 130
-    except OSError:
+    except (OSError, ValueError):
         pass
     finally:
         connection.close()
@@ -98,19 +135,44 @@ def run_remotely(argv: list[str]) -> int | None:
 
 
 def stop_server() -> bool:
+    """Ask the server to stop, and make sure it does: False when none is running."""
     connection = _connect()
     if connection is None:
         return False
     with connection:
-        _send(connection, {"stop": True})
-        connection.makefile("r").readline()
+        connection.settimeout(STOP_SECONDS)
+        with contextlib.suppress(OSError):
+            _send(connection, {"stop": True})
+            connection.makefile("r").readline()
+    path = socket_path()
+    deadline = time.monotonic() + STOP_SECONDS
+    while path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if path.exists():  # no answer in time: the server holding the lock is signalled
+        pid = _server_pid()
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
     return True
+
+
+def _server_pid() -> int | None:
+    """The pid the running server wrote beside its lock (only a server of this home holds that lock)."""
+    try:
+        text = _lock_path().read_text().strip()
+        return int(text) if text.isdigit() and written_only_by_me(_lock_path()) else None
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- server
 
 class ClientGone(Exception):
     """The client went away (Ctrl-C): the command stops at its next output."""
+
+
+class BadRequest(ValueError):
+    """A request the server does not take: answered with exit code 2, and the server goes on."""
 
 
 class _Frames(io.TextIOBase):
@@ -124,7 +186,7 @@ class _Frames(io.TextIOBase):
             return len(text)
         try:
             _send(self._connection, {self._kind: text})
-        except OSError as error:
+        except OSError as error:  # gone, or not reading for SEND_SECONDS
             self.gone = True
             raise ClientGone() from error
         return len(text)
@@ -137,12 +199,47 @@ class _Frames(io.TextIOBase):
         return "utf-8"
 
 
-def _peer_is_this_user(connection: socket.socket) -> bool:
-    """Linux tells who connected (SO_PEERCRED); elsewhere the socket's mode (0600) alone keeps others out."""
-    if not hasattr(socket, "SO_PEERCRED"):
-        return True
-    _, uid, _ = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return uid == os.getuid()
+def read_request(connection: socket.socket) -> dict | None:
+    """One request line, bounded in bytes and time, checked: {"stop": true} or {"argv", "cwd", "env"}.
+    None for a probe that connected and left; BadRequest for anything else."""
+    connection.settimeout(REQUEST_SECONDS)
+    received = bytearray()
+    while b"\n" not in received:
+        try:
+            chunk = connection.recv(65536)
+        except socket.timeout:
+            raise BadRequest(f"no request within {REQUEST_SECONDS:.0f} s") from None
+        if not chunk:
+            if not received:
+                return None
+            break
+        received += chunk
+        if len(received) > MAX_REQUEST_BYTES:
+            raise BadRequest(f"a request longer than {MAX_REQUEST_BYTES} bytes")
+    try:
+        request = json.loads(bytes(received).split(b"\n", 1)[0].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise BadRequest("a request that is not one line of JSON") from None
+    return validated(request)
+
+
+def validated(request) -> dict:
+    """The request if it has the expected keys and types; BadRequest naming what is wrong."""
+    if not isinstance(request, dict):
+        raise BadRequest("a request must be a JSON object")
+    if request.get("stop") is True and set(request) == {"stop"}:
+        return request
+    if set(request) - {"argv", "cwd", "env"}:
+        raise BadRequest(f"unknown request keys {sorted(set(request) - {'argv', 'cwd', 'env'})}")
+    argv, cwd, env = request.get("argv"), request.get("cwd"), request.get("env", {})
+    if not isinstance(argv, list) or not argv or len(argv) > 10_000 or not all(isinstance(a, str) for a in argv):
+        raise BadRequest("argv must be a non-empty list of texts")
+    if not isinstance(cwd, str) or not os.path.isabs(cwd) or not os.path.isdir(cwd):
+        raise BadRequest("cwd must be the absolute path of a folder")
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) and "\0" not in v
+                                            for k, v in env.items()):
+        raise BadRequest("env must map names to texts")
+    return request
 
 
 @contextlib.contextmanager
@@ -150,10 +247,10 @@ def _request_context(request: dict):
     """The client's folder and environment for the length of one request."""
     previous_cwd, previous_env = os.getcwd(), dict(os.environ)
     try:
-        os.chdir(request.get("cwd") or previous_cwd)
+        os.chdir(request["cwd"])
         for name in FORWARDED_ENV:
             os.environ.pop(name, None)
-        os.environ.update({k: v for k, v in (request.get("env") or {}).items() if k in FORWARDED_ENV})
+        os.environ.update({k: v for k, v in request.get("env", {}).items() if k in FORWARDED_ENV})
         yield
     finally:
         os.chdir(previous_cwd)
@@ -161,22 +258,16 @@ def _request_context(request: dict):
         os.environ.update(previous_env)
 
 
-def _handle(connection: socket.socket) -> bool:
-    """One request; False when it asks the server to stop."""
+def _answer(connection: socket.socket, request: dict) -> None:
+    """Run one `ask` with its output streamed to the client."""
     from .app import run
 
-    line = connection.makefile("r", encoding="utf-8").readline()
-    if not line:  # a probe (serve --status): connected and left
-        return True
-    request = json.loads(line)
-    if request.get("stop"):
-        _send(connection, {"exit": 0})
-        return False
-    argv = request.get("argv") or []
-    if not argv or argv[0] != "ask":  # the server runs `ask` only; anything else runs where it was typed
+    argv = request["argv"]
+    if argv[0] != "ask":  # the server runs `ask` only; anything else runs where it was typed
         _send(connection, {"err": "snapkv: error: the server runs `snapkv ask` only\n"})
         _send(connection, {"exit": 2})
-        return True
+        return
+    connection.settimeout(SEND_SECONDS)
     out, err = _Frames(connection, "out"), _Frames(connection, "err")
     with _request_context(request), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -186,14 +277,62 @@ def _handle(connection: socket.socket) -> bool:
     if not out.gone and not err.gone:
         with contextlib.suppress(OSError):
             _send(connection, {"exit": code})
-    return True
+
+
+class _Receiver:
+    """Reads requests on threads of their own, so that a client that connects and sends nothing holds up no
+    one; complete requests wait in a queue for the one thread that runs the model."""
+
+    def __init__(self) -> None:
+        self.requests: "queue.Queue[tuple[socket.socket, dict]]" = queue.Queue()
+        self.stopping = threading.Event()
+        self.busy = threading.Event()   # a request is running (a stop then signals the server)
+        self._reading = threading.BoundedSemaphore(MAX_WAITING)
+
+    def take(self, connection: socket.socket) -> None:
+        if not self._reading.acquire(blocking=False):
+            connection.close()  # too many at once: turned away, not queued without bound
+            return
+        threading.Thread(target=self._read, args=(connection,), daemon=True).start()
+
+    def _read(self, connection: socket.socket) -> None:
+        try:
+            if _peer_uid(connection) not in (None, os.getuid()):
+                connection.close()
+                return
+            request = read_request(connection)
+            if request is None:  # a probe (serve --status): connected and left
+                connection.close()
+            elif request.get("stop"):
+                with contextlib.suppress(OSError):
+                    _send(connection, {"exit": 0})
+                connection.close()
+                self.stopping.set()
+                if self.busy.is_set():  # stop now, not after the answer in progress
+                    os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                self.requests.put((connection, request))
+        except BadRequest as error:
+            print(f"snapkv server: refused a request: {error}", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):
+                _send(connection, {"err": f"snapkv: error: bad request to the server: {error}\n"})
+                _send(connection, {"exit": 2})
+            connection.close()
+        except OSError as error:
+            print(f"snapkv server: a client left: {error}", file=sys.stderr, flush=True)
+            connection.close()
+        finally:
+            self._reading.release()
 
 
 def _listen(path: Path) -> socket.socket:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.parent != snapkv_home():
-        path.parent.chmod(0o700)
-    path.unlink(missing_ok=True)  # a socket left by a server that died
+    """The listening socket, 0600 in a folder of this user's; called with the home's lock held, so a socket
+    already there was left by a server that died."""
+    if path.parent == snapkv_home():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        private_folder(path.parent)
+    path.unlink(missing_ok=True)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     previous = os.umask(0o177)  # created 0600: only this user can connect
     try:
@@ -201,8 +340,39 @@ def _listen(path: Path) -> socket.socket:
     finally:
         os.umask(previous)
     os.chmod(path, 0o600)
-    server.listen(8)
+    server.listen(MAX_WAITING)
     return server
+
+
+@contextlib.contextmanager
+def _one_server_per_home():
+    """The home's server lock, held for the server's life (with its pid for `serve --stop`); AlreadyServing
+    when another server holds it."""
+    import fcntl
+
+    lock = os.open(_lock_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise AlreadyServing() from None
+        os.ftruncate(lock, 0)
+        os.write(lock, str(os.getpid()).encode())
+        yield
+    finally:
+        os.close(lock)  # releases the lock
+
+
+class AlreadyServing(Exception):
+    """Another server runs for this home."""
+
+
+def _remove_own_socket(path: Path, made: os.stat_result) -> None:
+    """Remove the socket only if it is still the one this server made (never a later server's)."""
+    with contextlib.suppress(OSError):
+        now = os.lstat(path)
+        if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+            path.unlink()
 
 
 def serve_forever(idle_seconds: float, preload: Optional[str], device: str, dtype: str) -> None:
@@ -215,25 +385,35 @@ def serve_forever(idle_seconds: float, preload: Optional[str], device: str, dtyp
     models.MODEL_POOL.get(preload, device=device, dtype=dtype)  # the first ask is then fast too
     path = socket_path()
     server = _listen(path)
+    made = os.lstat(path)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    receiver = _Receiver()
+    server.settimeout(0.2)
+    last = time.monotonic()
     try:
-        server.settimeout(idle_seconds)
-        while True:
-            try:
+        while not receiver.stopping.is_set():
+            with contextlib.suppress(socket.timeout):
                 connection, _ = server.accept()
-            except socket.timeout:
-                return
-            with connection:
-                if not _peer_is_this_user(connection):
-                    continue
-                try:
-                    if not _handle(connection):
-                        return
-                except (OSError, ValueError) as error:  # a client that left or sent nonsense: the server goes on
-                    print(f"snapkv server: a request failed: {error}", file=sys.stderr)
+                receiver.take(connection)
+                last = time.monotonic()
+            try:
+                connection, request = receiver.requests.get_nowait()
+            except queue.Empty:
+                if time.monotonic() - last > idle_seconds:
+                    return
+                continue
+            receiver.busy.set()
+            try:
+                with connection:
+                    _answer(connection, request)
+            except Exception as error:  # one request's failure is logged; the server goes on
+                print(f"snapkv server: a request failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            finally:
+                receiver.busy.clear()
+                last = time.monotonic()
     finally:
         server.close()
-        path.unlink(missing_ok=True)
+        _remove_own_socket(path, made)
 
 
 def _detach() -> bool:
@@ -295,4 +475,13 @@ def serve(
     if not detach:
         print(f"snapkv server: loading the model, then listening on {path} (idle timeout {idle_timeout:.0f} s; "
               "Ctrl-C or snapkv serve --stop to end)", file=sys.stderr)
-    serve_forever(idle_timeout, model, device, dtype)
+    try:
+        with _one_server_per_home():
+            serve_forever(idle_timeout, model, device, dtype)
+    except AlreadyServing:
+        print(f"snapkv: error: a snapkv server already runs for this home; stop it with snapkv serve --stop",
+              file=sys.stderr)
+        raise typer.Exit(1) from None
+    except NotPrivate as error:
+        print(f"snapkv: error: the server's socket folder cannot be trusted: {error}", file=sys.stderr)
+        raise typer.Exit(1) from None

@@ -139,3 +139,21 @@ def cli(capsys, monkeypatch):
         return CliResult(code, captured.out, captured.err)
 
     return run
+
+
+def start_server(home, idle_seconds: int = 120):
+    """`snapkv serve` for this home in a child process, once it listens: (the process, the env to reach it)."""
+    import subprocess
+    import time
+
+    env = {**os.environ, "SNAPKV_HOME": str(home)}
+    env.pop("SNAPKV_NO_SERVER", None)
+    server = subprocess.Popen([sys.executable, "-m", "snapkv_cli", "serve", "--idle-timeout", str(idle_seconds)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(600):
+        status = subprocess.run([sys.executable, "-m", "snapkv_cli", "serve", "--status"], env=env,
+                                capture_output=True, text=True)
+        if status.stdout.startswith("a snapkv server is running") or server.poll() is not None:
+            break
+        time.sleep(0.2)
+    return server, env

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import start_server
+
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 REVENUE = "What was the revenue for the 2023 financial year?"
 
@@ -118,16 +120,8 @@ def test_a_source_is_recorded_by_its_absolute_path(home, cli, tmp_path, monkeypa
 @pytest.mark.slow
 def test_the_server_answers_as_a_local_ask_does(home, tmp_path):
     """`snapkv serve` keeps the model loaded; `ask` runs there with the same stdout, exit codes and --json."""
-    env = {**os.environ, "SNAPKV_HOME": str(home)}
-    env.pop("SNAPKV_NO_SERVER", None)
-    server = subprocess.Popen([sys.executable, "-m", "snapkv_cli", "serve", "--idle-timeout", "120"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server, env = start_server(home)
     try:
-        for _ in range(600):
-            if subprocess.run([sys.executable, "-m", "snapkv_cli", "serve", "--status"], env=env,
-                              capture_output=True, text=True).stdout.startswith("a snapkv server is running"):
-                break
-            time.sleep(0.2)
         socket_file = home / "serve.sock"
         assert socket_file.exists() and oct(socket_file.stat().st_mode)[-3:] == "600"
         question = [SAMPLE, REVENUE, "--json", "--budget", "512", "--max-new-tokens", "24"]
