@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from .errors import UnsupportedModelError
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text")
+from .supported import SUPPORTED_MODEL_TYPES
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Writing a file so that a crash, Ctrl-C, a full disk or a second writer never leaves a partial one.
 
 The file is written to a temp name in the same folder, fsynced and renamed over the final name under
-an exclusive lock; temps left by writers that died are swept before each write.
+an exclusive lock on its folder; temps left by writers that died are swept before each write.
 """
 
 import contextlib
@@ -20,14 +20,14 @@ STALE_TEMP_SECONDS = 3600
 
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock beside `path`, so two writers of one file never interleave."""
-    lock_path = path.with_name(path.name + ".lock")
-    with open(lock_path, "a+") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)
+    """An exclusive lock on the folder of `path`, so two writers of one file never interleave; no lock file is
+    made (none beside the user's files, none left behind), and it ends with the process that held it."""
+    folder = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def _temp_name(path: Path) -> Path:

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .architectures import SUPPORTED_MODEL_TYPES
+from .supported import SUPPORTED_MODEL_TYPES
 from .conversion import EMBEDDED_NAME, _gguf_conversion_dir, embedded_gguf_path
 from .errors import ModelNotFoundError
 from .paths import models_dir

@@ -9,8 +9,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-import torch
-
 from .errors import ModelNotFoundError, SnapKVError
 from .paths import models_dir
 
@@ -79,6 +77,7 @@ def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = No
     target = _gguf_conversion_dir(gguf)
     if (target / "config.json").is_file():
         return target
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 

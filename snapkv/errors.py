@@ -65,5 +65,6 @@ EXIT_CODES = {
     5: "damaged, foreign or incompatible cache file",
     6: "out of memory",
     7: "cannot write (disk full, folder not writable)",
+    8: "no snapkv server is running (serve --status), or one already is (serve)",
     130: "interrupted (Ctrl-C)",
 }

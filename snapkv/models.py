@@ -88,7 +88,7 @@ def resolve_model_source(spec: str | None, on_convert: Callable[[int, int], None
     """
     if not spec:
         spec = os.environ.get("SNAPKV_MODEL") or None
-    if not spec:
+    if not spec or spec == EMBEDDED_NAME:  # the name `snapkv models` prints for it is taken too
         return EMBEDDED_NAME, str(convert_gguf(embedded_gguf_path(), on_convert))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -187,7 +187,7 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
         raise ModelNotFoundError(
             f"model {spec!r} is not a model folder, a .gguf file, or a model in the local Hugging Face cache, and "
             "snapkv never downloads. `snapkv models` lists the models that can be used here; to use a Hub model, "
-            f"download it first (huggingface-cli download {spec}) or pass its folder."
+            f"download it first (hf download {spec}) or pass its folder."
         ) from error
     check_supported(model)
     if device_map:

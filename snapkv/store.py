@@ -10,18 +10,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from .cachefile import PLAIN_FORMAT_VERSION, IDENTITY_FIELDS, SUFFIX, read_metadata
+from .cachemeta import IDENTITY_FIELDS, PLAIN_FORMAT_VERSION, read_metadata
 from .bits import Bits
 from .config import Cut
 from .errors import SnapKVError
-from .paths import snapkv_home
+from .paths import CACHE_SUFFIX as SUFFIX, snapkv_home
 
 
-def cache_key(identity: dict, prompt_ids: torch.Tensor, stored: Cut | None, bits: "Bits | int" = 16) -> str:
+def cache_key(identity: dict, prompt_ids: "torch.Tensor", stored: Cut | None, bits: "Bits | int" = 16) -> str:
     """Content address: the model, tokenizer and template, the prompt, the stored tier and its bits, the
     format major."""
+    import torch
+
     ids_digest = hashlib.sha256(prompt_ids.to(torch.int64).numpy().tobytes()).hexdigest()
     material = {
         "identity": {k: identity[k] for k in IDENTITY_FIELDS},
@@ -72,7 +72,7 @@ class CacheStore:
         path = self.path_for(key)
         existed = path.is_file()
         path.unlink(missing_ok=True)
-        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)  # a lock file of snapkv before 0.2
         return existed
 
     def clear(self) -> int:

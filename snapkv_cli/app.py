@@ -21,6 +21,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=True,
     rich_markup_mode=None,  # plain help, readable at 80 columns
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
 )
 app.command(name="ask")(ask.ask)
 app.command(name="compress")(compress.compress)
@@ -85,10 +86,14 @@ def _is_usage_error(error: BaseException) -> bool:
 
 
 def _usage_error(error: Exception) -> int:
-    """Typer's own rendering of a usage error: exit code 2."""
-    from typer import rich_utils
-
-    rich_utils.rich_format_error(error)
+    """A usage error in the style of every other error (`snapkv: error: ...`, exit code 2); a command or group
+    given no arguments shows its help instead (exit code 0)."""
+    context = getattr(error, "ctx", None)
+    if type(error).__name__ == "NoArgsIsHelpError" and context is not None:
+        print(context.get_help())
+        return 0
+    command = context.command_path if context is not None else "snapkv"
+    print(f"snapkv: error: {error.format_message()} (see {command} --help)", file=sys.stderr)
     return error.exit_code
 
 
@@ -110,6 +115,32 @@ def _runs_on_server(argv: list[str]) -> bool:
     return not {"--no-server", "--help", "-"} & set(argv)
 
 
+def _stdin_as_source(argv: list[str]) -> list[str]:
+    """`cat report.md | snapkv ask "Q"`: an ask with questions but no SOURCE, and a document piped or redirected
+    in, reads the document from stdin, as if `-` had been given (which also keeps it off the server)."""
+    import stat
+
+    if not argv or argv[0] != "ask" or "-" in argv or sys.stdin is None:
+        return argv
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError):
+        return argv
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):  # a terminal, /dev/null: nothing was piped in
+        return argv
+    from typer.main import get_command
+
+    try:
+        context = get_command(app).commands["ask"].make_context("ask", list(argv[1:]), resilient_parsing=True)
+    except Exception:  # the command reports what is wrong with its arguments itself
+        return argv
+    source, questions = context.params.get("source"), context.params.get("questions")
+    if not source or questions:
+        return argv
+    position = len(argv) - 1 - argv[::-1].index(source)
+    return [*argv[:position], "-", *argv[position:]]
+
+
 def run(argv: list[str]) -> int:
     """Run one snapkv command line; every error becomes a one-paragraph message and a documented exit code."""
     from typer import Abort
@@ -118,6 +149,7 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # snapkv never downloads: models come from disk
     _debug["on"] = os.environ.get("SNAPKV_DEBUG", "") not in ("", "0")
+    argv = _stdin_as_source(list(argv))
     if _runs_on_server(argv) and (code := serve.run_remotely(list(argv))) is not None:
         return code
     argv = _debug_flag(list(argv))

@@ -18,9 +18,9 @@ from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption
 
 def ask(
     ctx: typer.Context,
-    source: str = typer.Argument(..., help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, "
+    source: str = typer.Argument(..., metavar="SOURCE", help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, "
                                            "or a saved .snapkv cache."),
-    questions: list[str] = typer.Argument(..., help="One or more questions, answered in turn against one cache."),
+    questions: list[str] = typer.Argument(..., metavar="QUESTION", help="One or more questions, answered in turn against one cache."),
     model: ModelOption = None,
     budget: BudgetOption = DEFAULTS.budget,
     window: WindowOption = DEFAULTS.window,
@@ -61,24 +61,32 @@ def ask(
     file is answered as it was made; settings given with it apply where the file can serve them (a smaller
     --budget) and are refused, saying what it holds, where it cannot.
     """
+    from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
+
+    from .consoles import stderr_console, stdout_console
+
+    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
+                             store_method, store_bits, prefill_chunk)
+    err, out = stderr_console(), stdout_console()
+
+    # what can be wrong with the input is found before torch and the model are loaded (a missing file at once)
+    from_file = source.endswith(CACHE_SUFFIX)
+    started = time.perf_counter()
+    with err.status("Reading documents..."):
+        document = None if from_file else read_sources(source, password)
+        if from_file:
+            read_metadata(source)
+    ingest_seconds = time.perf_counter() - started
+
     from snapkv.generation import Sampling
     from snapkv.session import Session
     from snapkv.store import CacheStore
 
     from .render import (inert, load_file_with_status, load_with_status, log_answers, prepare_with_progress,
-                         report, stats_table, stderr_console, stdout_console, stream_answer)
+                         report, stats_table, stream_answer)
 
-    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
-                             store_method, store_bits, prefill_chunk)
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
-    err, out = stderr_console(), stdout_console()
-
-    from_file = source.endswith(CACHE_SUFFIX)
-    started = time.perf_counter()
-    with err.status("Reading documents..."):
-        document = None if from_file else read_sources(source, password)
-    ingest_seconds = time.perf_counter() - started
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
                       truncate=truncate, compile=compile)

@@ -23,7 +23,7 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
 
     from snapkv.store import CacheStore
 
-    from .render import inert, stdout_console
+    from .consoles import inert, stdout_console
 
     store = CacheStore()
     entries = store.entries()
@@ -49,7 +49,7 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
 
 
 @app.command(name="rm")
-def remove(keys: list[str] = typer.Argument(..., help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
+def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
     """Delete saved caches by key."""
     from snapkv.store import CacheStore
 

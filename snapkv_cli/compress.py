@@ -15,7 +15,7 @@ from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, 
 
 
 def compress(
-    source: str = typer.Argument(..., help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, or "
+    source: str = typer.Argument(..., metavar="SOURCE", help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, or "
                                            "a saved .snapkv file of a whole prompt in 16 bits to cut to a smaller "
                                            "tier without a new prefill."),
     output: Path = typer.Option(..., "--output", "-o", help=f"The cache file to write (ends in {SUFFIX})."),

@@ -46,7 +46,7 @@ def staleness(data: dict, document: str | None, password: str | None) -> list[st
 
 
 def info(
-    file: Path = typer.Argument(..., help="A saved .snapkv cache."),
+    file: Path = typer.Argument(..., metavar="FILE", help="A saved .snapkv cache."),
     document: Optional[str] = typer.Argument(
         None, help="The document the cache was made from: check that it has not changed since (exit code 5 "
                    "when it has). Without it, the source paths recorded in the cache are checked."),
@@ -54,7 +54,7 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print the metadata as one JSON object."),
 ) -> None:
     """Show what a saved cache holds: model, sources, lengths, settings, sizes, and whether it is stale."""
-    from .render import stderr_console
+    from .consoles import stderr_console
 
     with stderr_console().status("Reading..."):
         data = describe(file)
@@ -92,7 +92,7 @@ def _fidelity_described(bits) -> str:
 def show(data: dict) -> None:
     from rich.table import Table
 
-    from .render import inert, stdout_console
+    from .consoles import inert, stdout_console
 
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="dim")

@@ -27,7 +27,7 @@ def list_logs(
         return
     from snapkv.logbook import Logbook
 
-    from .render import SCHEMA_VERSION, inert, stdout_console
+    from .consoles import SCHEMA_VERSION, inert, stdout_console
 
     entries = Logbook().entries(count, search)
     if as_json:
@@ -49,13 +49,13 @@ def list_logs(
 
 @app.command()
 def show(
-    entry_id: int = typer.Argument(..., help="The number `snapkv logs` shows (#12 is 12)."),
+    entry_id: int = typer.Argument(..., metavar="ID", help="The number `snapkv logs` shows (#12 is 12)."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole entry, its command's report included."),
 ) -> None:
     """One logged answer, with its timings and where its cache is."""
     from snapkv.logbook import Logbook
 
-    from .render import SCHEMA_VERSION, inert, stdout_console
+    from .consoles import SCHEMA_VERSION, inert, stdout_console
 
     entry = Logbook().entry(entry_id)
     if entry is None:

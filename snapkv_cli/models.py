@@ -16,7 +16,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print them as one
 
     from snapkv.catalog import EMBEDDED, available_models
 
-    from .render import SCHEMA_VERSION, inert, stdout_console
+    from .consoles import SCHEMA_VERSION, inert, stdout_console
 
     entries = available_models()
     if as_json:
@@ -36,4 +36,4 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print them as one
     console.print(table)
     if not any(e.kind == "hugging face cache" for e in entries):
         console.print("no models in the local Hugging Face cache; to use one, download it first "
-                      "(huggingface-cli download ID), then pass its id to --model")
+                      "(hf download ID), then pass its id to --model")

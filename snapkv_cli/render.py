@@ -4,7 +4,6 @@ Everything shown is computed from what the library returns (a PreparedDocument, 
 is read off a session.
 """
 
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -18,24 +17,7 @@ from snapkv.models import LoadedModel, load_model
 from snapkv.generation import Sampling
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-SCHEMA_VERSION = 1  # of every JSON object the commands print; raised when a key changes meaning or goes
-
-
-def inert(text: str) -> str:
-    """Text safe to show on a terminal: control characters (escape sequences included) removed.
-
-    Always print it with markup off, so "[bold]" in a document or an answer stays text.
-    """
-    return _CONTROL.sub("", text)
-
-
-def stderr_console() -> Console:
-    return Console(stderr=True, highlight=False)
-
-
-def stdout_console() -> Console:
-    return Console(highlight=False, markup=False, emoji=False)
+from .consoles import SCHEMA_VERSION, inert, stderr_console, stdout_console  # noqa: F401 (re-exported)
 
 
 def warn(err: Console, message: str) -> None:

@@ -147,7 +147,7 @@ class _State:
 
 def repl(
     ctx: typer.Context,
-    source: str = typer.Argument(..., help="A document, a folder of them, or a saved .snapkv cache."),
+    source: str = typer.Argument(..., metavar="SOURCE", help="A document, a folder of them, or a saved .snapkv cache."),
     model: ModelOption = None,
     budget: BudgetOption = DEFAULTS.budget,
     window: WindowOption = DEFAULTS.window,

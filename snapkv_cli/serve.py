@@ -44,6 +44,7 @@ REQUEST_SECONDS = 10.0         # a client has this long to send its request once
 SEND_SECONDS = 60.0            # and to take each piece of output (a client that stops reading is dropped)
 STOP_SECONDS = 10.0            # `serve --stop` waits this long for a reply, then signals the server itself
 MAX_WAITING = 32               # connections read at once; more are turned away
+SERVER_STATE_EXIT = 8          # serve --status with none running, or serve with one running (snapkv.errors.EXIT_CODES)
 
 
 def socket_path() -> Path:
@@ -457,11 +458,12 @@ def serve(
         print(f"a snapkv server is running on {path}" if connection else "no snapkv server is running")
         if connection:
             connection.close()
-        return
+            return
+        raise typer.Exit(SERVER_STATE_EXIT)
     if connection is not None:
         connection.close()
         print(f"a snapkv server is already running on {path}; stop it with snapkv serve --stop", file=sys.stderr)
-        raise typer.Exit(1)
+        raise typer.Exit(SERVER_STATE_EXIT)
     if detach and not _detach():
         for _ in range(600):  # the parent waits until the server listens, so that the next ask finds it
             time.sleep(0.1)
@@ -479,9 +481,9 @@ def serve(
         with _one_server_per_home():
             serve_forever(idle_timeout, model, device, dtype)
     except AlreadyServing:
-        print(f"snapkv: error: a snapkv server already runs for this home; stop it with snapkv serve --stop",
+        print("snapkv: error: a snapkv server already runs for this home; stop it with snapkv serve --stop",
               file=sys.stderr)
-        raise typer.Exit(1) from None
+        raise typer.Exit(SERVER_STATE_EXIT) from None
     except NotPrivate as error:
         print(f"snapkv: error: the server's socket folder cannot be trusted: {error}", file=sys.stderr)
         raise typer.Exit(1) from None

@@ -15,7 +15,7 @@ def run_snapkv(*args: str, home: Path, timeout: int = 600) -> subprocess.Complet
     env = {**os.environ, "SNAPKV_HOME": str(home)}
     env.pop("SNAPKV_MODEL", None)
     return subprocess.run([sys.executable, "-m", "snapkv_cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+                          env=env, timeout=timeout, stdin=subprocess.DEVNULL)  # nothing piped in
 
 
 def test_help_explains_every_option(snapkv_home):
@@ -97,3 +97,17 @@ def test_second_ask_loads_the_saved_cache(embedded_home, tmp_path):
     saved.write_bytes(b"not a cache at all, just some bytes")
     broken = run_snapkv("ask", str(saved), question, home=home)
     assert broken.returncode == 5 and "not a snapkv cache" in broken.stderr and "Traceback" not in broken.stderr
+
+
+@pytest.mark.slow
+def test_a_document_piped_in_needs_no_source(embedded_home, tmp_path):
+    """`cat report.txt | snapkv ask "Q"` reads the document from stdin, as `-` would; nothing piped, a question
+    alone is a usage error."""
+    env = {**os.environ, "SNAPKV_HOME": str(embedded_home), "SNAPKV_NOLOG": "1"}
+    env.pop("SNAPKV_MODEL", None)
+    with open(SAMPLE, "rb") as document:
+        piped = subprocess.run([sys.executable, "-m", "snapkv_cli", "ask", "What was the 2023 revenue?", "-q",
+                                "--no-store"], stdin=document, capture_output=True, text=True, env=env, timeout=600)
+    assert piped.returncode == 0 and "184.6" in piped.stdout, piped.stderr
+    alone = run_snapkv("ask", "What was the 2023 revenue?", home=tmp_path)
+    assert alone.returncode == 2 and "Missing argument 'QUESTION'" in alone.stderr and "Traceback" not in alone.stderr

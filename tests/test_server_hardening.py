@@ -173,7 +173,7 @@ def test_the_server_survives_bad_clients_and_always_stops(home):
         path = home / "serve.sock"
         # a second server for the same home is refused, and leaves the first's socket alone
         second = _cli("serve", "--idle-timeout", "5", env=env, timeout=300)
-        assert second.returncode == 1 and "already" in second.stderr and path.exists()
+        assert second.returncode == 8 and "already" in second.stderr and path.exists()
         # a silent client, a non-object request and a non-text env value: answered or dropped, never fatal
         silent = socket.socket(socket.AF_UNIX)
         silent.connect(str(path))
