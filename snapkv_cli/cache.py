@@ -16,6 +16,19 @@ def _age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def _iso(seconds: float) -> str:
+    """A file time as ISO 8601 in the local time zone, to the second."""
+    import datetime
+
+    return datetime.datetime.fromtimestamp(seconds).astimezone().isoformat(timespec="seconds")
+
+
+def _bits(metadata: dict | None) -> "str | None":
+    """The stored bits a cache file records ("16/8"), None where unreadable."""
+    bits = ((metadata or {}).get("storage") or {}).get("bits", 16 if metadata else None)
+    return None if bits is None else str(bits)
+
+
 @app.command(name="list")
 def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the entries as JSON.")) -> None:
     """List the saved caches with their sizes, ages, models and sources."""
@@ -29,20 +42,21 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
     entries = store.entries()
     if as_json:
         print(json.dumps([{"key": e.key, "path": str(e.path), "bytes": e.size, "modified": e.modified,
-                           "metadata": e.metadata} for e in entries]))
+                           "modified_iso": _iso(e.modified), "bits": _bits(e.metadata), "metadata": e.metadata}
+                          for e in entries]))
         return
     console = stdout_console()
     count = f"{len(entries)} cache{'' if len(entries) == 1 else 's'}"
     console.print(f"{count}, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(str(store.root))}",
                   soft_wrap=True)
     table = Table()
-    for column in ("key", "size", "age", "model", "tokens", "mode", "sources"):
+    for column in ("key", "size", "bits", "age", "model", "tokens", "mode", "sources"):
         table.add_column(column, overflow="fold")
     now = time.time()
     for entry in entries:
         meta = entry.metadata or {}
         sources = ", ".join(s["name"] for s in meta.get("sources", [])) or "-"
-        table.add_row(entry.key[:12], f"{entry.size / 2**20:.1f} MiB", _age(now - entry.modified),
+        table.add_row(entry.key[:12], f"{entry.size / 2**20:.1f} MiB", str(_bits(meta) or "-"), _age(now - entry.modified),
                       inert(str(meta.get("model", {}).get("name", "unreadable"))), str(meta.get("original_length", "-")),
                       str(meta.get("mode", "-")), inert(sources))
     console.print(table)

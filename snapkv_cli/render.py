@@ -153,7 +153,9 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
             "stored_tokens": cache.kept_tokens,
             "kv_bytes": cache.kv_bytes,
             "stored_kv_bytes": cache.stored_kv_bytes,
-            "kv_bytes_full": cache.full_kv_bytes(),
+            "kv_bytes_full": cache.full_kv_bytes(),            # in the compute dtype, as kv_bytes
+            "kv_bytes_full_16bit": cache.full_kv_bytes(2),     # as a 16-bit file holds it
+            "kv_dtype": str(cache.compute_dtype).replace("torch.", ""),
         },
         "cache": {"path": str(prepared.path) if prepared.path else None, "hit": prepared.hit,
                   "bytes": prepared.file_bytes, "load_seconds": round(prepared.load_seconds, 4),
@@ -165,6 +167,9 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
                    "answer_peak_bytes": max((a.peak_bytes for a in answers), default=0)},
         "model": {"name": loaded.name, "context_length": loaded.context_length},
     }
+
+
+DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def _mib(value: int) -> str:
@@ -185,8 +190,9 @@ def stats_table(data: dict) -> Table:
                               f"({comp['mode']})")
     else:
         table.add_row("kept", f"{comp['kept_tokens']} per head per layer ({ratio:.1f}x fewer, {comp['mode']})")
-    table.add_row("KV memory", f"{_mib(comp['kv_bytes'])} in memory, {_mib(comp['stored_kv_bytes'])} stored, "
-                               f"{_mib(comp['kv_bytes_full'])} full")
+    table.add_row("KV memory", f"{_mib(comp['kv_bytes'])} in memory ({DTYPE_NAMES.get(comp['kv_dtype'], comp['kv_dtype'])}), "
+                               f"{_mib(comp['stored_kv_bytes'])} stored; the full cache {_mib(comp['kv_bytes_full_16bit'])} "
+                               f"at 16 bits")
     if cache["hit"]:
         table.add_row("cache", f"hit, loaded in {cache['load_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     else:

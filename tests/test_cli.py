@@ -71,6 +71,10 @@ def test_ask_json_on_the_sample_report(embedded_home):
     assert report["compression"]["method"] == "snapkv" and report["compression"]["budget"] == 512
     assert report["document"]["tokens"] > 512
     assert report["compression"]["kv_bytes_full"] >= report["compression"]["kv_bytes"] > 0
+    # the figures name their precision: in memory in the compute dtype, the full cache as 16 bits hold it
+    compression = report["compression"]
+    element = {"float32": 4, "bfloat16": 2, "float16": 2}[compression["kv_dtype"]]
+    assert compression["kv_bytes_full_16bit"] * element == compression["kv_bytes_full"] * 2
     assert report["timings"]["prefill_seconds"] > 0
     assert report["model"]["name"] == "SmolLM2-135M-Instruct"
 

@@ -47,6 +47,12 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
     entries = json.loads(invoke("cache", "list", "--json").stdout)
     assert len(entries) == 1 and entries[0]["bytes"] > 0
+    # what the file stores, and when, in a form people and scripts read
+    import datetime
+
+    assert entries[0]["bits"] == str(DEFAULTS.store_bits)
+    assert datetime.datetime.fromisoformat(entries[0]["modified_iso"]).timestamp() == int(entries[0]["modified"])
+    assert f" {DEFAULTS.store_bits} " in invoke("cache", "list").stdout
     assert "1 cache," in invoke("cache", "list").stdout
     assert invoke("cache", "rm", entries[0]["key"][:10]).exit_code == 0
     assert json.loads(invoke("cache", "list", "--json").stdout) == []
