@@ -66,19 +66,19 @@ def read_metadata(path: Path) -> dict:
                 raise CacheFileError(f"{path}: too short to be a snapkv cache ({size} bytes)")
             (header_length,) = struct.unpack("<Q", prefix)
             if header_length > min(MAX_HEADER_BYTES, size - 8):
-                raise CacheFileError(f"{path}: not a snapkv cache (header length {header_length} does not fit the file)")
+                raise CacheFileError(f"{path}: not a snapkv cache file (a header of {header_length} bytes does not fit the file)")
             header = _strict_json(file.read(header_length).decode("utf-8"))
     except FileNotFoundError as error:
         raise CacheFileError(f"{path}: no such cache file") from error
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise CacheFileError(f"{path}: not a snapkv cache (unreadable header)") from error
+        raise CacheFileError(f"{path}: not a snapkv cache file (unreadable header)") from error
     except OSError as error:
         raise CacheFileError(f"{path}: cannot read ({error})") from error
     try:
         text = header["__metadata__"]["snapkv"]
         metadata = _strict_json(text)
     except (KeyError, TypeError) as error:
-        raise CacheFileError(f"{path}: a safetensors file, but not a snapkv cache") from error
+        raise CacheFileError(f"{path}: a safetensors file, but not a snapkv cache file") from error
     except (ValueError, RecursionError) as error:
         raise CacheFileError(f"{path}: damaged metadata (not valid JSON: {str(error)[:80]})") from error
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT_NAME:

@@ -89,6 +89,21 @@ def _fidelity_described(bits) -> str:
     return f"measured for {bits} bits: {measured.describe()} (README, What is saved)"
 
 
+def _runs(values) -> list[tuple[int, int, object]]:
+    """Consecutive equal values as (first index, last index, value): thirty identical layers are one entry."""
+    runs: list[list] = []
+    for index, value in enumerate(values):
+        if runs and runs[-1][2] == value:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, value])
+    return [tuple(run) for run in runs]
+
+
+def _span(first: int, last: int) -> str:
+    return f"layers {first}-{last}" if last > first else f"layer {first}"
+
+
 def show(data: dict) -> None:
     from rich.table import Table
 
@@ -115,9 +130,8 @@ def show(data: dict) -> None:
     table.add_row("fidelity", inert(_fidelity_described(storage.get("bits", 16))))
     table.add_row("KV", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB for the "
                         f"full cache in 16 bits ({data['kv_bytes_full'] / max(data['kv_bytes'], 1):.1f}x)")
-    layers = [f"{index}: {kept} x {bits}, {size / 2**10:.0f} KiB" for index, (kept, size)
-              in enumerate(zip(data["kept_per_layer"], data["bytes_per_layer"]))]
-    table.add_row("per layer", "; ".join(layers))
+    table.add_row("per layer", "; ".join(f"{_span(first, last)}: {kept} x {bits}, {size / 2**10:.0f} KiB"
+                                         for first, last, (kept, size) in _runs(zip(kept, data["bytes_per_layer"]))))
     producer = data.get("producer", {})
     created = datetime.datetime.fromtimestamp(data.get("created", 0)).strftime("%Y-%m-%d %H:%M")
     table.add_row("made", inert(f"{created} by snapkv {producer.get('snapkv')}, transformers {producer.get('transformers')}"))

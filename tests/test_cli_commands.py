@@ -217,3 +217,11 @@ def test_document_longer_than_the_context_is_refused_or_cut(home, tmp_path, side
     assert read_metadata(path)["tier"]["truncation"] == {"side": side,
                                                            "tokens": report["document"]["truncated_tokens"]}
     assert f"at the {side}" in " ".join(invoke("info", path).stdout.split())  # as read, the table's folds undone
+
+
+def test_info_groups_identical_layers():
+    from snapkv_cli.info import _runs, _span
+
+    runs = _runs([(64, 10), (64, 10), (32, 6), (64, 10)])
+    assert runs == [(0, 1, (64, 10)), (2, 2, (32, 6)), (3, 3, (64, 10))]
+    assert [_span(first, last) for first, last, _ in runs] == ["layers 0-1", "layer 2", "layer 3"]
