@@ -102,7 +102,8 @@ def read_metadata(path: Path) -> dict:
 
 
 def _strict_json(text: str):
-    """json.loads without NaN or Infinity (which are not JSON) and without the depth that would exhaust the stack."""
+    """json.loads refusing NaN and Infinity, which are not JSON (ValueError); JSON nested deeper than the stack
+    allows raises RecursionError, which the callers refuse too."""
     def refused(constant: str):
         raise ValueError(f"{constant} is not JSON")
 

@@ -77,16 +77,15 @@ def _bits_described(bits) -> str:
         return f"{bits} bits (unknown)"
 
 
-def _fidelity_described(bits) -> str:
-    """What `snapkv eval fidelity` measured for this file's stored bits."""
-    from snapkv.measured import fidelity_of
+def _fidelity_described(bits, measured: dict | None) -> str:
+    """What `snapkv eval fidelity` measured for this file's stored bits (`measured`: describe()'s "fidelity")."""
+    from snapkv.measured import Fidelity
 
     if str(bits) == "16":
         return "16 bits: the reference tier (every other tier is measured against it)"
-    measured = fidelity_of(bits)
     if measured is None:
         return f"{bits} bits: not measured (snapkv eval fidelity --tiers {bits})"
-    return f"measured for {bits} bits: {measured.describe()} (README, What is saved)"
+    return f"measured for {bits} bits: {Fidelity(**measured).describe()} (README, What is saved)"
 
 
 def _runs(values) -> list[tuple[int, int, object]]:
@@ -127,7 +126,7 @@ def show(data: dict) -> None:
     table.add_row("mode", inert(str(data.get("mode"))))
     table.add_row("holds", inert(data["held"]))
     table.add_row("answers", inert(f"per question: {data['answered_with']}"))
-    table.add_row("fidelity", inert(_fidelity_described(storage.get("bits", 16))))
+    table.add_row("fidelity", inert(_fidelity_described(storage.get("bits", 16), data["fidelity"])))
     table.add_row("KV", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB for the "
                         f"full cache in 16 bits ({data['kv_bytes_full'] / max(data['kv_bytes'], 1):.1f}x)")
     table.add_row("per layer", "; ".join(f"{_span(first, last)}: {kept} x {bits}, {size / 2**10:.0f} KiB"
