@@ -1,4 +1,8 @@
-"""How many bits a stored key and value take: one small value type, free of torch (the CLI imports it)."""
+"""How many bits a stored key and value take (Bits), and how a kind below 16 bits is quantized (Scheme): small
+value types, free of torch (the CLI and snapkv.cacheinfo import them)."""
+
+from dataclasses import dataclass
+from math import gcd
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # below 16: what snapkv.quantize packs
 
@@ -119,3 +123,45 @@ class Bits:
 
     def __hash__(self) -> int:
         return hash(self.keys) if self.keys == self.values and not self.share else hash(self._key())
+
+
+# Axis of the (kv_heads, tokens, head_dim) tensors along which a group runs.
+TOKENS, CHANNELS = 1, 2
+AXIS_NAMES = {TOKENS: "tokens", CHANNELS: "channels"}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one kind of tensor (keys or values) is quantized: bits, the axis its groups run along, group size."""
+
+    bits: int
+    axis: int
+    group: int
+    rotated: bool = False  # a Hadamard rotation of each head's vectors before quantizing
+
+    def to_dict(self) -> dict:
+        data = {"bits": self.bits, "axis": AXIS_NAMES[self.axis], "group": self.group}
+        return {**data, "rotation": "hadamard"} if self.rotated else data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Scheme":
+        """ValueError (or KeyError, TypeError) for a scheme snapkv cannot read."""
+        axis = {name: number for number, name in AXIS_NAMES.items()}[data["axis"]]
+        rotation = data.get("rotation")
+        if rotation not in (None, "hadamard"):
+            raise ValueError(f"unknown rotation {rotation!r} in quantization scheme {data}")
+        scheme = cls(int(data["bits"]), axis, int(data["group"]), rotation == "hadamard")
+        if scheme.bits not in SUPPORTED_BITS or scheme.group < 1 or scheme.group % values_per_chunk(scheme.bits):
+            raise ValueError(f"unreadable quantization scheme {data}")
+        return scheme
+
+    def stored_shapes(self, shape: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(codes, scale and minimum) shapes of a (kv_heads, tokens, head_dim) tensor quantized this way."""
+        other = shape[CHANNELS] if self.axis == TOKENS else shape[TOKENS]
+        groups = -(-shape[self.axis] // self.group)
+        return (shape[0], other, groups, self.group * self.bits // 8), (shape[0], other, groups)
+
+
+def values_per_chunk(bits: int) -> int:
+    """The fewest codes that fill whole bytes: 8 at 3 bits (3 bytes), 2 at 4 bits, 1 at 8."""
+    return 8 // gcd(bits, 8)

@@ -32,91 +32,60 @@ A file is written in the oldest format that holds it: 3.0 only with a sharper sh
 bits and values in fewer, so that snapkv versions before them read every other file and refuse these asking for
 an upgrade. Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
 
-This module owns the schema: nothing else writes or interprets these keys. The store folder
-(naming, look-up, listing) is snapkv.store; the atomic write is snapkv.atomic.
+This module owns the schema: nothing else writes these keys. What a reader needs without torch lives apart and is
+used here too: the metadata read and interpreted (snapkv.cachemeta: tier_of, per_question_of, stored_tensor_names),
+the digests (snapkv.digests); snapkv.cacheinfo checks and describes a file from its raw bytes as load_cache would
+(snapkv info). The store folder (naming, look-up, listing) is snapkv.store; the atomic write is snapkv.atomic.
 """
 
 import ctypes
-import hashlib
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 
 from . import native
 from .atomic import write_atomically
 from .bits import Bits
 from .cache import CompressedCache
 from .cachemeta import (FORMAT_NAME, FORMAT_VERSION, IDENTITY_FIELDS, PLAIN_FORMAT_VERSION,  # noqa: F401 (re-exported)
-                        SHARP_FORMAT_VERSION, SPLIT_FORMAT_VERSION, read_metadata)
+                        SHARP_FORMAT_VERSION, SPLIT_FORMAT_VERSION, per_question_of, read_metadata, recorded_sources,
+                        stored_layout, stored_tensor_names, storage_scheme, tier_of)
 from .cacheschema import MAX_VOCABULARY
 from .deferred import StoredLayers
-from .config import Cut, Tier, mode_of
+from .digests import (DIGEST_LANES, MAX_DIGEST_LANES, Piece, check_payload, checksum_of,  # noqa: F401 (re-exported)
+                      piece_header, sha256_of)
+from .config import Cut, mode_of
 from .documents import Source
-from .errors import CacheFileError, ConfigError, IncompatibleCacheError
+from .errors import CacheFileError, IncompatibleCacheError
 from .paths import CACHE_SUFFIX
-from .quantize import Mixed, Quantized, Scheme, dequantize
+from .quantize import Mixed, Quantized, dequantize
 
 SUFFIX = CACHE_SUFFIX
 
 
-DIGEST_LANES = 2  # a file's payload is hashed in this many runs at once, a thread each (payload_sha256_lanes)
-MAX_DIGEST_LANES = 64  # the most a file may ask for
-
-
-def _payload_pieces(tensors: dict[str, torch.Tensor]) -> list[tuple[bytes, "np.ndarray | None"]]:
+def _payload_pieces(tensors: dict[str, torch.Tensor]) -> list[Piece]:
     """What a digest covers, per tensor in name order: its header (name, dtype, shape) and its bytes (None if empty)."""
     pieces = []
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
-        header = f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode()
+        header = piece_header(name, tensor.dtype, tensor.shape)
         pieces.append((header, tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else None))
     return pieces
 
 
-def _hashed(digest, pieces: list[tuple]) -> str:
-    """`digest` (a hashlib or xxhash object) fed the pieces in order; its hex digest."""
-    for header, data in pieces:
-        digest.update(header)
-        if data is not None:
-            digest.update(data)  # the buffer itself, no copy
-    return digest.hexdigest()
-
-
 def payload_digest(tensors: dict[str, torch.Tensor], lanes: int = 1) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order.
-
-    lanes > 1: the tensors, in that order, cut into `lanes` runs of about equal bytes, each run hashed so in a
-    thread of its own (hashlib lets go of the GIL), and the sha256 of the runs' hex digests joined by "|"
-    returned: the same bytes covered in about half the time on 2 cores (22 against 37 ms for 42 MB)."""
-    pieces = _payload_pieces(tensors)  # made before any thread starts
-    total = sum(len(data) for _, data in pieces if data is not None)
-    runs: list[list[tuple]] = [[] for _ in range(lanes)]
-    done = 0
-    for header, data in pieces:  # a tensor goes to the run its first byte falls in
-        runs[min(lanes - 1, done * lanes // total) if total else 0].append((header, data))
-        done += 0 if data is None else len(data)
-    if lanes == 1:
-        return _hashed(hashlib.sha256(), runs[0])
-    with ThreadPoolExecutor(max_workers=lanes - 1) as pool:
-        others = [pool.submit(_hashed, hashlib.sha256(), run) for run in runs[1:]]
-        first = _hashed(hashlib.sha256(), runs[0])  # meanwhile, in this thread
-        digests = [first, *(other.result() for other in others)]
-    return hashlib.sha256("|".join(digests).encode()).hexdigest()
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order, hashed in `lanes` runs at once where
+    lanes > 1 (snapkv.digests.sha256_of)."""
+    return sha256_of(_payload_pieces(tensors), lanes)  # the pieces made before any thread starts
 
 
 def payload_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """XXH3-128 (the xxhash library) over what payload_digest covers, in the same order: what a load checks.
-
-    A checksum, not a cryptographic digest: it finds damage (a flipped byte, a cut or mixed-up file) as sha256 does,
-    and neither stops a forger, who can write a matching sha256 as easily. It reads 42 MB in 3.5 ms on one core
-    where sha256 took 22 ms on two (an 8k-token cache of the embedded model, a tenth of a follow-up question)."""
-    return _hashed(xxhash.xxh3_128(), _payload_pieces(tensors))
+    """XXH3-128 over what payload_digest covers, in the same order: what a load checks (snapkv.digests.checksum_of)."""
+    return checksum_of(_payload_pieces(tensors))
 
 
 def payload_signatures(tensors: dict[str, torch.Tensor]) -> dict:
@@ -125,18 +94,6 @@ def payload_signatures(tensors: dict[str, torch.Tensor]) -> dict:
     return {"payload_sha256": payload_digest(tensors),
             "payload_sha256_lanes": {"lanes": DIGEST_LANES, "sha256": payload_digest(tensors, DIGEST_LANES)},
             "payload_xxh3_128": payload_checksum(tensors)}
-
-
-def _digest_matches(tensors: dict[str, torch.Tensor], metadata: dict) -> bool:
-    """Whether the payload is the one the file was written with: by payload_xxh3_128 where the file has it (what this
-    snapkv writes), else by payload_sha256_lanes, else by payload_sha256 (the only digest of the earliest files)."""
-    checksum = metadata.get("payload_xxh3_128")
-    if checksum is not None:
-        return payload_checksum(tensors) == checksum
-    laned = metadata.get("payload_sha256_lanes")
-    if isinstance(laned, dict) and type(laned.get("lanes")) is int and 1 <= laned["lanes"] <= MAX_DIGEST_LANES:
-        return payload_digest(tensors, laned["lanes"]) == laned.get("sha256")
-    return payload_digest(tensors) == metadata.get("payload_sha256")
 
 
 def _pack_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -260,31 +217,6 @@ def save_cache(path: Path, cache: CompressedCache, *, model: dict | None = None,
 
 # ---------------------------------------------------------------------------------------------- reading
 
-def tier_of(path: Path, metadata: dict) -> Tier:
-    """What the file holds, from its metadata."""
-    try:
-        return Tier.from_dict(metadata.get("tier") or {})
-    except (ConfigError, TypeError, KeyError, AttributeError) as error:
-        raise CacheFileError(f"{path}: damaged metadata (tier: {error})") from error
-
-
-def per_question_of(path: Path, metadata: dict) -> Cut | None:
-    """The cut the file's answers are made with by default (None: decode against what it holds)."""
-    data = metadata.get("per_question")
-    try:
-        return Cut.from_dict(data) if data else None
-    except (ConfigError, TypeError, AttributeError) as error:
-        raise CacheFileError(f"{path}: damaged metadata (per_question: {error})") from error
-
-
-def recorded_sources(path: Path, metadata: dict) -> list[Source]:
-    """The documents a saved cache was made from, as its metadata records them."""
-    try:
-        return [Source(**source) for source in metadata.get("sources") or []]
-    except TypeError as error:
-        raise CacheFileError(f"{path}: damaged metadata (sources: {error})") from error
-
-
 def check_identity(path: Path, metadata: dict, identity: dict) -> None:
     """Refuse a cache made for another model, tokenizer or template, saying what differs."""
     saved = metadata.get("model", {})
@@ -351,8 +283,7 @@ def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, 
 
 def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> list[tuple]:
     """(keys, values, positions, None) per layer of a format 1 file."""
-    expected = {"token_ids"} | {f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values", "positions")}
-    if set(tensors) != expected:
+    if set(tensors) != stored_tensor_names(layers, None):
         raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
     found = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"], tensors[f"layers.{i}.positions"], None)
              for i in range(layers)]
@@ -367,10 +298,7 @@ def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> lis
 def _quantized_part(path: Path, tensors: dict, name: str, prefix: str, shape: tuple[int, int, int], storage: dict,
                     kind: str) -> Quantized:
     """One Quantized tensor of a file (`name` + .codes etc., or .sharp_codes etc.), its shapes checked."""
-    try:
-        scheme = Scheme.from_dict(storage[kind])
-    except (KeyError, TypeError, ValueError) as error:
-        raise CacheFileError(f"{path}: damaged metadata (storage of {kind}: {error})") from error
+    scheme = storage_scheme(path, storage, kind)
     codes, scale, minimum = (tensors[f"{name}.{prefix}{part}"] for part in ("codes", "scale", "minimum"))
     codes_shape, scale_shape = scheme.stored_shapes(shape)
     if (codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or tuple(scale.shape) != scale_shape
@@ -414,22 +342,7 @@ def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, lay
     """(keys, values, positions, stored pair) per layer of a format 2 file; quantized parts restored in
     restore_dtype, or left as they are stored where `defer` (keys and values are then the stored parts)."""
     storage = metadata.get("storage") or {}
-    head_dim, kv_heads = storage.get("head_dim"), storage.get("kv_heads")
-    try:
-        bits = Bits.parse(storage.get("bits"))
-    except ValueError:
-        bits = None
-    if bits is None or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
-        raise CacheFileError(f"{path}: damaged metadata (storage {storage!r})")
-    parts = {kind: ("",) if kind_bits == 16 else (".codes", ".scale", ".minimum")
-             for kind, kind_bits in (("keys", bits.keys), ("values", bits.values))}
-    if bits.share:
-        parts = {kind: found + (".sharp_mask", ".sharp_codes", ".sharp_scale", ".sharp_minimum")
-                 for kind, found in parts.items()}
-    expected = {"token_ids"} | {f"layers.{i}.{kind}{part}" for i in range(layers) for kind in ("keys", "values")
-                                for part in parts[kind]} | {f"layers.{i}.kept" for i in range(layers)}
-    if set(tensors) != expected:
-        raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
+    bits, head_dim, kv_heads = stored_layout(path, metadata, tensors, layers)
     found = []
     for index in range(layers):
         mask = tensors[f"layers.{index}.kept"]
@@ -497,8 +410,8 @@ def load_cache(path: Path, *, identity: dict | None = None,
     except Exception as error:  # safetensors raises its own error type for every structural fault
         raise CacheFileError(f"{path}: damaged cache file ({error})") from error
     read_at = time.perf_counter()
-    if verify and not _digest_matches(tensors, metadata):
-        raise CacheFileError(f"{path}: damaged cache (its contents do not match their digest); delete it and rebuild")
+    if verify:  # by the newest digest the file has (snapkv.digests.pieces_match)
+        check_payload(path, _payload_pieces(tensors), metadata)
     digest_at = time.perf_counter()
     length, layers = _check_counts(path, metadata, identity)
     ids = tensors.get("token_ids")

@@ -2,16 +2,23 @@
 look at caches (info's header, cache list, compress's checks) start at once.
 
 The metadata is checked as it is read (snapkv.cacheschema); older formats of the same major version are returned
-in the current schema.
+in the current schema. tier_of, per_question_of and recorded_sources read it into the settings and sources it
+records; stored_tensor_names says which tensors a file of it holds (snapkv.cachefile's layout).
 """
 
 import json
 import re
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cacheschema import SchemaError, check_metadata
-from .errors import CacheFileError
+from .errors import CacheFileError, ConfigError
+
+if TYPE_CHECKING:  # imported where used, so that reading a header stays light (cache list, compress's checks)
+    from .bits import Bits, Scheme
+    from .config import Cut, Tier
+    from .documents import Source
 
 FORMAT_NAME = "snapkv-cache"
 FORMAT_VERSION = (4, 0)  # the newest this snapkv writes and reads
@@ -58,6 +65,13 @@ def read_metadata(path: Path) -> dict:
     Older formats of the same major version are returned in the current schema.
     """
     path = Path(path)
+    return metadata_of(path, read_header(path))
+
+
+def read_header(path: Path) -> dict:
+    """A safetensors file's header as it is written (each tensor's entry, and "__metadata__"), checked only to fit
+    the file and to be JSON; CacheFileError if it is not."""
+    path = Path(path)
     try:
         size = path.stat().st_size
         with open(path, "rb") as file:
@@ -74,6 +88,12 @@ def read_metadata(path: Path) -> dict:
         raise CacheFileError(f"{path}: not a snapkv cache file (unreadable header)") from error
     except OSError as error:
         raise CacheFileError(f"{path}: cannot read ({error})") from error
+    return header
+
+
+def metadata_of(path: Path, header: dict) -> dict:
+    """The snapkv metadata in a file's header (read_header), checked, in the current schema; CacheFileError naming
+    `path` if it is not a snapkv cache's."""
     try:
         text = header["__metadata__"]["snapkv"]
         metadata = _strict_json(text)
@@ -108,3 +128,80 @@ def _strict_json(text: str):
         raise ValueError(f"{constant} is not JSON")
 
     return json.loads(text, parse_constant=refused)
+
+
+# ---------------------------------------------------------------------------------------------- interpreting
+
+def tier_of(path: Path, metadata: dict) -> "Tier":
+    """What the file holds, from its metadata."""
+    from .config import Tier
+
+    try:
+        return Tier.from_dict(metadata.get("tier") or {})
+    except (ConfigError, TypeError, KeyError, AttributeError) as error:
+        raise CacheFileError(f"{path}: damaged metadata (tier: {error})") from error
+
+
+def per_question_of(path: Path, metadata: dict) -> "Cut | None":
+    """The cut the file's answers are made with by default (None: decode against what it holds)."""
+    from .config import Cut
+
+    data = metadata.get("per_question")
+    try:
+        return Cut.from_dict(data) if data else None
+    except (ConfigError, TypeError, AttributeError) as error:
+        raise CacheFileError(f"{path}: damaged metadata (per_question: {error})") from error
+
+
+def recorded_sources(path: Path, metadata: dict) -> "list[Source]":
+    """The documents a saved cache was made from, as its metadata records them."""
+    from .documents import Source
+
+    try:
+        return [Source(**source) for source in metadata.get("sources") or []]
+    except TypeError as error:
+        raise CacheFileError(f"{path}: damaged metadata (sources: {error})") from error
+
+
+def stored_layout(path, metadata: dict, tensor_names, layers: int) -> tuple["Bits", int, int]:
+    """A format 2+ file's (bits, head_dim, kv_heads), checked: the storage metadata readable and the file holding
+    exactly the tensors its layout names; CacheFileError otherwise."""
+    from .bits import Bits
+
+    storage = metadata.get("storage") or {}
+    head_dim, kv_heads = storage.get("head_dim"), storage.get("kv_heads")
+    try:
+        bits = Bits.parse(storage.get("bits"))
+    except ValueError:
+        bits = None
+    if bits is None or not isinstance(head_dim, int) or not isinstance(kv_heads, int):
+        raise CacheFileError(f"{path}: damaged metadata (storage {storage!r})")
+    if set(tensor_names) != stored_tensor_names(layers, bits):
+        raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
+    return bits, head_dim, kv_heads
+
+
+def storage_scheme(path, storage: dict, kind: str) -> "Scheme":
+    """How a file's `kind` ("keys", "sharp_values", ...) is quantized, from its storage metadata; CacheFileError
+    naming the file where that is unreadable."""
+    from .bits import Scheme
+
+    try:
+        return Scheme.from_dict(storage[kind])
+    except (KeyError, TypeError, ValueError) as error:
+        raise CacheFileError(f"{path}: damaged metadata (storage of {kind}: {error})") from error
+
+
+def stored_tensor_names(layers: int, bits: "Bits | None") -> set[str]:
+    """The tensors a file of `layers` layers holds (snapkv.cachefile's layout): bits None for format 1 (each layer's
+    keys, values and positions as plain tensors), else each layer's kept-positions mask and its keys and values in
+    their bits (a 16-bit tensor, or codes, scale and minimum; a sharper share's mask and parts besides)."""
+    if bits is None:
+        return {"token_ids"} | {f"layers.{i}.{part}" for i in range(layers) for part in ("keys", "values", "positions")}
+    parts = {kind: ("",) if kind_bits == 16 else (".codes", ".scale", ".minimum")
+             for kind, kind_bits in (("keys", bits.keys), ("values", bits.values))}
+    if bits.share:
+        parts = {kind: found + (".sharp_mask", ".sharp_codes", ".sharp_scale", ".sharp_minimum")
+                 for kind, found in parts.items()}
+    return {"token_ids"} | {f"layers.{i}.{kind}{part}" for i in range(layers) for kind in ("keys", "values")
+                            for part in parts[kind]} | {f"layers.{i}.kept" for i in range(layers)}

@@ -16,6 +16,11 @@ from .bits import Bits
 from .errors import ConfigError
 from .methods import METHODS, Method, Pooling, PseudoQuestion, SnapKV, method_from_dict, method_to_dict
 
+# The system message every prompt starts with unless one is given (--system, SNAPKV_SYSTEM): neutral, so that no
+# template's own ("You are ... named SmolLM", "You are Qwen") speaks through the answers; "" uses the template's.
+# The embedded model's own message without its name: "You are a helpful assistant." made it repeat itself in answers.
+DEFAULT_SYSTEM = "You are a helpful AI assistant."
+
 
 Mode = Literal["full", "document-window", "tier-only", "query-aware"]
 TruncateSide = Literal["start", "middle", "end"]

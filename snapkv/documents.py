@@ -36,6 +36,7 @@ class Document:
 
     text: str
     sources: list[Source] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the user should hear about (a twin file left out)
 
 
 def decode_text(data: bytes, name: str) -> str:
@@ -202,16 +203,41 @@ def read_sources(spec: str, password: str | None = None) -> Document:
                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
         if not files:
             raise DocumentError(f"{spec}: the folder holds no readable documents ({', '.join(sorted(s for s in READABLE_SUFFIXES if s))})")
+        files, notes = _without_twins(files, path)
         parts, sources = [], []
         for file in files:
             text, source = read_file(file, password)
             parts.append(f"## {file.relative_to(path)}\n\n{text.strip()}")
             sources.append(source)
-        return Document("\n\n".join(parts), sources)
+        return Document("\n\n".join(parts), sources, notes)
     if not path.exists():
         raise DocumentError(f"{spec}: no such file or folder")
     text, source = read_file(path, password)
     return Document(text, [source])
+
+
+# Where a folder holds one document in several forms (report.txt and report.pdf), the first form here is read:
+# text as written before text recovered from markup, and that before text extracted from a PDF.
+FORM_PREFERENCE = [".md", ".markdown", ".txt", ".rst", ".tex", ".html", ".htm", ".pdf"]
+
+
+def _without_twins(files: list[Path], folder: Path) -> tuple[list[Path], list[str]]:
+    """One file per document name (folder and stem) among the forms in FORM_PREFERENCE, in the files' order; a note
+    for each file left out, naming the one read instead."""
+    def rank(file: Path) -> int:
+        return FORM_PREFERENCE.index(file.suffix.lower())
+
+    chosen: dict[Path, Path] = {}
+    for file in files:
+        if file.suffix.lower() not in FORM_PREFERENCE:
+            continue
+        stem = file.with_suffix("")
+        if stem not in chosen or rank(file) < rank(chosen[stem]):
+            chosen[stem] = file
+    kept = [f for f in files if f.suffix.lower() not in FORM_PREFERENCE or chosen[f.with_suffix("")] == f]
+    notes = [f"{file.relative_to(folder)} was not read: {chosen[file.with_suffix('')].relative_to(folder)} is the same "
+             "document in another form" for file in files if file not in kept]
+    return kept, notes
 
 
 def file_sha256(path: Path) -> str:

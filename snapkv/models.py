@@ -53,8 +53,17 @@ class LoadedModel:
 
     @cached_property
     def prompter(self) -> Prompter:
-        """The chat template around documents and questions, tokenized once."""
+        """The chat template around documents and questions, with the default system message, tokenized once."""
         return Prompter(self.tokenizer)
+
+    def prompter_for(self, system: str | None) -> Prompter:
+        """The template with this system message (None: the default), each tokenized once."""
+        if system is None or system == self.prompter.system:
+            return self.prompter
+        prompters = self.__dict__.setdefault("_prompters", {})
+        if system not in prompters:
+            prompters[system] = Prompter(self.tokenizer, system)
+        return prompters[system]
 
     @property
     def layer_devices(self) -> list[torch.device]:

@@ -10,9 +10,11 @@ with special tokens split, so a document containing "<|im_start|>" stays plain t
 """
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
+from .config import DEFAULT_SYSTEM
 from .errors import DocumentError
 
 _DOCUMENT_SLOT = "\x00SNAPKV_DOCUMENT\x00"
@@ -31,13 +33,17 @@ class PromptTemplate:
     tail: str    # after the question: end of the user turn, start of the assistant turn
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "PromptTemplate":
+    def for_tokenizer(cls, tokenizer, system: str = DEFAULT_SYSTEM) -> "PromptTemplate":
+        """The template with `system` as its system message ("" for the template's own default)."""
+        user = [{"role": "user", "content": USER_MESSAGE}]
         if getattr(tokenizer, "chat_template", None):
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": USER_MESSAGE}], tokenize=False, add_generation_prompt=True
-            )
+            render = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+            try:
+                rendered = render(([{"role": "system", "content": system}] if system else []) + user)
+            except Exception:  # a template without a system role: the message opens the user's turn instead
+                rendered = render([{"role": "user", "content": f"{system}\n\n{USER_MESSAGE}"}])
         else:
-            rendered = PLAIN_TEMPLATE
+            rendered = (f"{system}\n\n" if system else "") + PLAIN_TEMPLATE
         head, rest = rendered.split(_DOCUMENT_SLOT)
         middle, tail = rest.split(_QUESTION_SLOT)
         return cls(head, middle, tail)
@@ -52,11 +58,13 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
 
 
 class Prompter:
-    """One tokenizer's chat template, rendered and tokenized once, turning documents and questions into ids."""
+    """One tokenizer's chat template with one system message, rendered and tokenized once, turning documents and
+    questions into ids."""
 
-    def __init__(self, tokenizer) -> None:
-        template = PromptTemplate.for_tokenizer(tokenizer)
+    def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM) -> None:
+        template = PromptTemplate.for_tokenizer(tokenizer, system)
         self.tokenizer = tokenizer
+        self.system = system
         self.head_ids = _template_ids(tokenizer, template.head)
         self.middle_ids = _template_ids(tokenizer, template.middle)
         self.tail_ids = _template_ids(tokenizer, template.tail)

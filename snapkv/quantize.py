@@ -13,50 +13,13 @@ available); what a file stores is snapkv.cachefile's business.
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from math import gcd
 
 import numpy as np
 import torch
 
 from . import native
-from .bits import SUPPORTED_BITS, Bits
-
-# Axis of the (kv_heads, tokens, head_dim) tensors along which a group runs.
-TOKENS, CHANNELS = 1, 2
-AXIS_NAMES = {TOKENS: "tokens", CHANNELS: "channels"}
-
-
-@dataclass(frozen=True)
-class Scheme:
-    """How one kind of tensor (keys or values) is quantized: bits, the axis its groups run along, group size."""
-
-    bits: int
-    axis: int
-    group: int
-    rotated: bool = False  # a Hadamard rotation of each head's vectors before quantizing
-
-    def to_dict(self) -> dict:
-        data = {"bits": self.bits, "axis": AXIS_NAMES[self.axis], "group": self.group}
-        return {**data, "rotation": "hadamard"} if self.rotated else data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "Scheme":
-        """ValueError (or KeyError, TypeError) for a scheme this module cannot read."""
-        axis = {name: number for number, name in AXIS_NAMES.items()}[data["axis"]]
-        rotation = data.get("rotation")
-        if rotation not in (None, "hadamard"):
-            raise ValueError(f"unknown rotation {rotation!r} in quantization scheme {data}")
-        scheme = cls(int(data["bits"]), axis, int(data["group"]), rotation == "hadamard")
-        if scheme.bits not in SUPPORTED_BITS or scheme.group < 1 or scheme.group % _values_per_chunk(scheme.bits):
-            raise ValueError(f"unreadable quantization scheme {data}")
-        return scheme
-
-    def stored_shapes(self, shape: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(codes, scale and minimum) shapes of a (kv_heads, tokens, head_dim) tensor quantized this way."""
-        other = shape[CHANNELS] if self.axis == TOKENS else shape[TOKENS]
-        groups = -(-shape[self.axis] // self.group)
-        return (shape[0], other, groups, self.group * self.bits // 8), (shape[0], other, groups)
-
+from .bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Scheme,  # noqa: F401 (re-exported)
+                   values_per_chunk)
 
 GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide value groups) lost needles at 4 bits
 
@@ -80,11 +43,6 @@ def stored_schemes(bits: Bits, head_dim: int) -> tuple[Scheme | None, Scheme | N
         return Scheme(kind_bits, axis, LOW_BITS_KEY_GROUP if axis == TOKENS else head_dim, rotated=True)
 
     return scheme(bits.keys, TOKENS), scheme(bits.values, CHANNELS)
-
-
-def _values_per_chunk(bits: int) -> int:
-    """The fewest codes that fill whole bytes: 8 at 3 bits (3 bytes), 2 at 4 bits, 1 at 8."""
-    return 8 // gcd(bits, 8)
 
 
 @lru_cache(maxsize=8)
@@ -206,7 +164,7 @@ def _ungrouped(x: torch.Tensor, shape: tuple[int, int, int], axis: int) -> torch
 def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     """(..., group) values below 2^bits -> (..., group * bits / 8) bytes, little-endian: the first value in the
     lowest bits of the first byte (at 2, 4 and 8 bits a byte holds whole values; at 3 bits 8 values span 3)."""
-    per_chunk = _values_per_chunk(bits)
+    per_chunk = values_per_chunk(bits)
     if bits * per_chunk == 8:  # whole values per byte: shifts in uint8
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=q.device)
         return (q.reshape(*q.shape[:-1], -1, per_chunk) << shifts).sum(dim=-1, dtype=torch.uint8)
@@ -218,7 +176,7 @@ def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    per_chunk = _values_per_chunk(bits)
+    per_chunk = values_per_chunk(bits)
     if bits == 8:
         return packed
     if bits * per_chunk == 8:
@@ -238,7 +196,7 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
     """x: (kv_heads, tokens, head_dim), any float dtype."""
     if scheme.bits not in SUPPORTED_BITS:
         raise ValueError(f"quantize takes {', '.join(map(str, SUPPORTED_BITS))} bits, not {scheme.bits}")
-    if scheme.group % _values_per_chunk(scheme.bits):
+    if scheme.group % values_per_chunk(scheme.bits):
         raise ValueError(f"a group of {scheme.group} does not pack into bytes at {scheme.bits} bits")
     x = _rotate(x.float()) if scheme.rotated else x.float()
     grouped = _grouped(x, scheme.axis, scheme.group)

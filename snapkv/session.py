@@ -208,10 +208,13 @@ class Session:
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
                  store: CacheStore | None = None, verify: bool = True, truncate: str | None = None,
-                 allow_extrapolation: bool = False, compile: bool = False) -> None:
+                 allow_extrapolation: bool = False, compile: bool = False, system: str | None = None) -> None:
+        """system: the system message documents are prompted with (None: snapkv.prompting.DEFAULT_SYSTEM; "": the
+        chat template's own); it is part of the context ids, so of the cache key."""
         if truncate not in (None, *TRUNCATE_SIDES):
             raise ConfigError(f"--truncate takes start, middle or end, not {truncate!r}")
         self.loaded = loaded
+        self.prompter = loaded.prompter_for(system)
         self.settings = settings
         self.store = store
         self.verify = verify
@@ -224,7 +227,7 @@ class Session:
     def prompt(self, document: Document, max_tokens: int | None = None) -> Prompt:
         """The document's context ids. A document longer than the model's context (or than `max_tokens`
         context ids in all, for measurements) is refused, or cut where `truncate` says."""
-        prompter = self.loaded.prompter
+        prompter = self.prompter
         body = prompter.document_ids(document.text)
         limit = self.context_limit
         room = limit - prompter.overhead - QUESTION_ALLOWANCE if limit else len(body)
@@ -293,7 +296,7 @@ class Session:
                 wait_for_device(loaded.device)
                 started = time.perf_counter()
                 timings: dict = {}
-                cache = build_tier(loaded.model, loaded.prompter, ids, prompt.document_span, stored, bits,
+                cache = build_tier(loaded.model, self.prompter, ids, prompt.document_span, stored, bits,
                                    Tier(truncation=prompt.truncation), on_layer=on_layer, on_step=on_step,
                                    timings=timings)
                 wait_for_device(loaded.device)
@@ -324,7 +327,7 @@ class Session:
         with PeakMemory(self.loaded.device, release=measure) as memory:
             started = time.perf_counter()
             cut = stored.sized_for(cache.original_length, cache.document) if stored is not None else None
-            derived = derive_tier(self.loaded.model, self.loaded.prompter, cache, cut, bits, on_step, scores_memo)
+            derived = derive_tier(self.loaded.model, self.prompter, cache, cut, bits, on_step, scores_memo)
             wait_for_device(self.loaded.device)
             seconds = time.perf_counter() - started
         return PreparedDocument(whole.document, derived, per_question_for(self.settings), prefill_seconds=seconds,
@@ -383,7 +386,7 @@ class Session:
         measure:     for benchmarks: memory handed back first, device waited for at the first and last token.
         """
         loaded = self.loaded
-        ids = loaded.prompter.question_ids(question, answer_prefix)
+        ids = self.prompter.question_ids(question, answer_prefix)
         if self.context_limit:  # never decode past the positions the model was trained for
             room = self.context_limit - prepared.tokens - ids.shape[0]
             if room < 1:

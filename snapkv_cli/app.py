@@ -10,6 +10,7 @@ import typer
 from snapkv.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
 
 from . import ask, bench, cache, compress, evaluate, info, logs, models, repl, serve
+from .usage import PlainCommand
 
 EXIT_CODE_HELP = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
 
@@ -23,13 +24,13 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain help, readable at 80 columns
     context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
 )
-app.command(name="ask")(ask.ask)
-app.command(name="compress")(compress.compress)
-app.command(name="repl")(repl.repl)
-app.command(name="info")(info.info)
-app.command(name="bench")(bench.bench)
-app.command(name="serve")(serve.serve)
-app.command(name="models")(models.models)
+app.command(name="ask", cls=PlainCommand)(ask.ask)
+app.command(name="compress", cls=PlainCommand)(compress.compress)
+app.command(name="repl", cls=PlainCommand)(repl.repl)
+app.command(name="info", cls=PlainCommand)(info.info)
+app.command(name="bench", cls=PlainCommand)(bench.bench)
+app.command(name="serve", cls=PlainCommand)(serve.serve)
+app.command(name="models", cls=PlainCommand)(models.models)
 app.add_typer(cache.app, name="cache")
 app.add_typer(logs.app, name="logs")
 app.add_typer(evaluate.app, name="eval")
@@ -108,7 +109,7 @@ def _debug_flag(argv: list[str]) -> list[str]:
 
 def _runs_on_server(argv: list[str]) -> bool:
     """`ask` goes to a running server, unless told not to, asked for help, or reading stdin (which stays here)."""
-    if not argv or argv[0] != "ask" or os.environ.get("SNAPKV_NO_SERVER", "") not in ("", "0"):
+    if not argv or argv[0] != "ask" or serve.disabled_by_environment():
         return False
     if serve.IN_SERVER:
         return False
@@ -152,6 +153,7 @@ def run(argv: list[str]) -> int:
     argv = _stdin_as_source(list(argv))
     if _runs_on_server(argv) and (code := serve.run_remotely(list(argv))) is not None:
         return code
+    serve.COMMAND_LINE.set(list(argv))  # the first ask hands it to the server it starts
     argv = _debug_flag(list(argv))
     try:
         code = app(args=argv, prog_name="snapkv", standalone_mode=False)  # Typer's exit code, 130 for Ctrl-C

@@ -13,7 +13,7 @@ from snapkv.paths import CACHE_SUFFIX
 from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption,
                       QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
-                      StoreMethodOption, TruncateOption, WindowOption, explicit_settings, settings_from)
+                      StoreMethodOption, SystemOption, TruncateOption, WindowOption, explicit_settings, settings_from)
 
 
 def ask(
@@ -47,24 +47,27 @@ def ask(
     device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
+    system: SystemOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout; progress goes to stderr."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the answers: no question line, no stats."),
     no_log: bool = typer.Option(False, "--no-log", help="Keep these answers out of the log (`snapkv logs`); "
                                                         "SNAPKV_NOLOG=1 does the same."),
-    no_server: bool = typer.Option(False, "--no-server", help="Run here even when `snapkv serve` is running "
+    no_server: bool = typer.Option(False, "--no-server", help="Run here: use no running server and start none "
                                                               "(SNAPKV_NO_SERVER=1 does the same)."),
 ) -> None:
     """Answer QUESTIONS about SOURCE, streaming each answer, then show speed and memory.
 
     The document's cache is looked up in the store (same model, settings and text: loaded, no prefill);
     otherwise it is prefilled, compressed with SnapKV and saved there for the next time. A saved .snapkv
-    file is answered as it was made; settings given with it apply where the file can serve them (a smaller
-    --budget) and are refused, saying what it holds, where it cannot.
+    file is answered as it was made. With no SOURCE, a document piped in is read from stdin.
+
+    The first ask leaves a server that keeps the model loaded (for SNAPKV_KEEP_ALIVE seconds without a
+    question, 300; 0 starts none), so that the next ask answers in about a second.
     """
     from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
 
-    from .consoles import stderr_console, stdout_console
+    from .consoles import done, inert, source_names, stderr_console, stdout_console, working
 
     settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
                              store_method, store_bits, prefill_chunk)
@@ -73,23 +76,30 @@ def ask(
     # what can be wrong with the input is found before torch and the model are loaded (a missing file at once)
     from_file = source.endswith(CACHE_SUFFIX)
     started = time.perf_counter()
-    with err.status("Reading documents..."):
+    with working(err, "Reading documents..."):
         document = None if from_file else read_sources(source, password)
         if from_file:
             read_metadata(source)
     ingest_seconds = time.perf_counter() - started
+    code = _run_on_new_server(source, no_server, model, device, dtype, quiet, err)
+    if code is not None:  # the server it started read the documents again, and said so
+        raise typer.Exit(code)
+    if document is not None:
+        for note in document.notes:
+            err.print("warning: " + inert(note), markup=False, soft_wrap=True)
+        done(err, f"read {source_names([s.name for s in document.sources])} in {ingest_seconds:.2f} s")
 
     from snapkv.generation import Sampling
     from snapkv.session import Session
     from snapkv.store import CacheStore
 
-    from .render import (inert, load_file_with_status, load_with_status, log_answers, prepare_with_progress,
+    from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress,
                          report, stats_table, stream_answer)
 
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate, compile=compile)
+                      truncate=truncate, compile=compile, system=system)
     if from_file:
         prepared = load_file_with_status(err, session, source, explicit_settings(ctx))
     else:
@@ -111,3 +121,30 @@ def ask(
         sys.stdout.write(json.dumps(data) + "\n")
     elif not quiet:
         err.print(stats_table(data))
+
+
+def _run_on_new_server(source: str, no_server: bool, model: Optional[str], device: str, dtype: str, quiet: bool,
+                       err) -> int | None:
+    """The first ask leaves a server keeping the model loaded (stopping after SNAPKV_KEEP_ALIVE seconds without
+    a request) and runs there, so that the next ask as typed costs a socket round trip; its exit code, or None
+    to run here (a server, --no-server, SNAPKV_NO_SERVER=1, SNAPKV_KEEP_ALIVE=0, stdin, or a server that did
+    not start)."""
+    from . import serve
+    from .consoles import working
+
+    argv = serve.COMMAND_LINE.get()
+    if argv is None or serve.IN_SERVER or no_server or source == "-" or serve.disabled_by_environment():
+        return None
+    idle = serve.keep_alive_seconds()
+    if idle == 0:
+        return None
+    started = time.perf_counter()
+    with working(err, "Starting a snapkv server that keeps the model loaded for follow-up questions..."):
+        if not serve.start_in_background(idle, model, device, dtype):
+            return None
+    if not quiet:
+        lasting = f"{idle / 60:g} min" if idle >= 60 else f"{idle:g} s"
+        err.print(f"snapkv: started a server in {time.perf_counter() - started:.1f} s; it keeps the model loaded for "
+                  f"follow-up questions and stops after {lasting} without one (snapkv serve --stop ends it; "
+                  "--no-server or SNAPKV_KEEP_ALIVE=0 runs without it)", markup=False, soft_wrap=True)
+    return serve.run_remotely(argv)

@@ -101,6 +101,7 @@ def bench(
     from snapkv.bench import run_bench
     from snapkv.models import random_weights_model
 
+    from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
     lengths = parse_sizes(length, name="--length", minimum=16)
@@ -109,18 +110,18 @@ def bench(
                              store_method=store_method, store_bits=store_bits)
     err = stderr_console()
     if random_weights is not None:
-        with err.status("Building a random-weights model..."):
+        with working(err, "Building a random-weights model..."):
             loaded = random_weights_model(str(random_weights), device=device, dtype=dtype,
                                           tokenizer=str(tokenizer) if tokenizer else None)
         err.print("note: random weights: answers are meaningless; speed and memory are real", markup=False)
     else:
         loaded, _ = load_with_status(err, model, device, dtype, device_map)
-    with err.status("Measuring...") as status:
+    with working(err, "Measuring...") as update:
         result = run_bench(loaded, lengths, budgets, settings=settings, decode_tokens=decode_tokens,
                            repeats=repeats,
                            allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
                            max_prefill_seconds=max_prefill_seconds, prefill_chunk=prefill_chunk,
-                           on_row=lambda row: status.update(f"Measured {row.method} at {row.length} tokens..."))
+                           on_row=lambda row: update(f"Measured {row.method} at {row.length} tokens..."))
     if plot is not None:
         _plot(result, plot)
     if as_json:

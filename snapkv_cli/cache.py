@@ -6,6 +6,8 @@ import time
 import typer
 from snapkv.errors import ConfigError
 
+from .usage import PlainCommand
+
 app = typer.Typer(help="List and delete the saved caches in the store.", no_args_is_help=True, rich_markup_mode=None)
 
 
@@ -29,7 +31,18 @@ def _bits(metadata: dict | None) -> "str | None":
     return None if bits is None else str(bits)
 
 
-@app.command(name="list")
+def _tier(metadata: dict | None) -> "str | None":
+    """Which positions a cache file stores ("whole prompt", "70% by pseudo-question"), None where unreadable."""
+    from snapkv.config import Tier
+
+    try:
+        tier = Tier.from_dict((metadata or {})["tier"])
+    except Exception:  # an older or unreadable file: the column says "-"
+        return None
+    return "whole prompt" if tier.cut is None else tier.cut.describe()
+
+
+@app.command(name="list", cls=PlainCommand)
 def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the entries as JSON.")) -> None:
     """List the saved caches with their sizes, ages, models and sources."""
     from rich.table import Table
@@ -42,7 +55,8 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
     entries = store.entries()
     if as_json:
         print(json.dumps([{"key": e.key, "path": str(e.path), "bytes": e.size, "modified": e.modified,
-                           "modified_iso": _iso(e.modified), "bits": _bits(e.metadata), "metadata": e.metadata}
+                           "modified_iso": _iso(e.modified), "bits": _bits(e.metadata), "tier": _tier(e.metadata),
+                           "metadata": e.metadata}
                           for e in entries]))
         return
     console = stdout_console()
@@ -50,19 +64,20 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
     console.print(f"{count}, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(str(store.root))}",
                   soft_wrap=True)
     table = Table()
-    for column in ("key", "size", "bits", "age", "model", "tokens", "mode", "sources"):
+    for column in ("key", "size", "bits", "tier", "age", "model", "tokens", "mode", "sources"):
         table.add_column(column, overflow="fold")
     now = time.time()
     for entry in entries:
         meta = entry.metadata or {}
         sources = ", ".join(s["name"] for s in meta.get("sources", [])) or "-"
-        table.add_row(entry.key[:12], f"{entry.size / 2**20:.1f} MiB", str(_bits(meta) or "-"), _age(now - entry.modified),
+        table.add_row(entry.key[:12], f"{entry.size / 2**20:.1f} MiB", str(_bits(meta) or "-"),
+                      inert(_tier(meta) or "-"), _age(now - entry.modified),
                       inert(str(meta.get("model", {}).get("name", "unreadable"))), str(meta.get("original_length", "-")),
                       str(meta.get("mode", "-")), inert(sources))
     console.print(table)
 
 
-@app.command(name="rm")
+@app.command(name="rm", cls=PlainCommand)
 def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
     """Delete saved caches by key."""
     from snapkv.store import CacheStore
@@ -77,7 +92,7 @@ def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or u
         print(f"removed {matches[0]}")
 
 
-@app.command(name="clear")
+@app.command(name="clear", cls=PlainCommand)
 def clear(yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")) -> None:
     """Delete every saved cache."""
     from snapkv.store import CacheStore

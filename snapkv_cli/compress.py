@@ -10,8 +10,8 @@ from snapkv.paths import CACHE_SUFFIX as SUFFIX
 
 from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
                       NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption, QueryAwareOption,
-                      StoreBitsOption, StoreBudgetOption, StoreKeepOption, StoreMethodOption, TruncateOption,
-                      WindowOption, settings_from)
+                      StoreBitsOption, StoreBudgetOption, StoreKeepOption, StoreMethodOption, SystemOption,
+                      TruncateOption, WindowOption, settings_from)
 
 
 def compress(
@@ -36,6 +36,7 @@ def compress(
     device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
+    system: SystemOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print what was saved as one JSON object on stdout."),
 ) -> None:
     """Prefill SOURCE, compress its KV cache, and save it to --output for later questions.
@@ -43,11 +44,10 @@ def compress(
     The same settings make the same cache as `snapkv ask SOURCE` does, so `snapkv ask FILE.snapkv` answers
     as `snapkv ask SOURCE` would.
     """
-    from snapkv.cachefile import read_metadata
+    from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
-    from snapkv.session import Session
 
-    from .render import load_with_status, prefill_progress, prepare_with_progress, scoring_label, stderr_console
+    from .consoles import inert, stderr_console, working
 
     if output.suffix != SUFFIX:
         raise ConfigError(f"--output must end in {SUFFIX}, got {output}")
@@ -60,12 +60,21 @@ def compress(
                              store_method, store_bits, prefill_chunk)
     err = stderr_console()
     from_file = source.endswith(SUFFIX)
-    with err.status("Reading documents..."):
+    with working(err, "Reading documents..."):
         document = None if from_file else read_sources(source, password)
+        if from_file:
+            read_metadata(source)
+    for note in document.notes if document is not None else []:
+        err.print("warning: " + inert(note), markup=False, soft_wrap=True)
+
+    from snapkv.session import Session  # torch and the model code, once the input is known to be good
+
+    from .render import load_with_status, prefill_progress, prepare_with_progress, scoring_label
+
     loaded, _ = load_with_status(err, model, device, dtype, device_map)
-    session = Session(loaded, settings, truncate=truncate)
+    session = Session(loaded, settings, truncate=truncate, system=system)
     if from_file:
-        with err.status("Loading saved cache..."):
+        with working(err, "Loading saved cache..."):
             whole = session.load_file(source)
         if whole.tier.cut is not None or whole.tier.bits != 16:
             raise ConfigError(f"{source} holds {whole.tier.describe()}: only a file of the whole prompt in 16 bits "
@@ -74,7 +83,7 @@ def compress(
             prepared = session.derive(whole, on_step=on_step)
     else:
         prepared = prepare_with_progress(err, session, document)
-    with err.status("Saving..."):
+    with working(err, "Saving..."):
         session.save(prepared, output)
     cache = prepared.cache
     full = cache.full_kv_bytes(2)

@@ -1,7 +1,10 @@
 """Consoles and safe text for every command, free of torch: the commands that run no model start at once."""
 
+import os
 import re
 import sys
+import time
+from contextlib import contextmanager
 
 from rich.console import Console
 
@@ -47,3 +50,34 @@ def stderr_console() -> Console:
 
 def stdout_console() -> Console:
     return _Console(highlight=False, markup=False, emoji=False, width=_width(sys.stdout))
+
+
+@contextmanager
+def working(err: Console, text: str):
+    """A spinner saying what is being done, on a terminal; nothing elsewhere, where `done` says it instead. Yields
+    an update(text) that changes the spinner's text, or off a terminal prints it as a line with the time so far."""
+    if err.is_terminal:
+        with err.status(text) as status:
+            yield status.update
+        return
+    started = time.perf_counter()
+    yield lambda update: done(err, f"{update.rstrip('.')} ({time.perf_counter() - started:.1f} s)")
+
+
+def done(err: Console, text: str) -> None:
+    """A plain progress line for stderr that is not a terminal (scripts, CI logs): one per stage, with its time.
+    A terminal shows spinners and bars instead."""
+    if not err.is_terminal:
+        err.print(f"snapkv: {text}", markup=False, highlight=False, soft_wrap=True)
+
+
+def source_names(names: list[str], limit: int = 10) -> str:
+    """The files a document was read from, as a user would type them (relative to the current folder where
+    they are under it), the first `limit` of them."""
+    def shown(name: str) -> str:
+        relative = os.path.relpath(name) if os.path.isabs(name) else name
+        return name if relative.startswith("..") else relative
+
+    names = [shown(name) for name in names]
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(inert(name) for name in names[:limit]) + more

@@ -15,6 +15,7 @@ from snapkv.sizes import parse_size, parse_sizes
 
 from .options import (BudgetsOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
                       PoolingOption, StoreBitsOption, StoreKeepOption, StoreMethodOption, WindowOption, settings_from)
+from .usage import PlainCommand
 
 app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True,
                   rich_markup_mode=None)
@@ -62,7 +63,7 @@ def _heatmaps(result, folder: Path) -> list[Path]:
     return written
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def needle(
     lengths: LengthsOption = "1k,2k,4k,7k",
     depths: str = typer.Option("0,10,20,30,40,50,60,70,80,90,100", help="Needle depths in percent, comma-separated."),
@@ -86,6 +87,7 @@ def needle(
 
     from snapkv.evaluation import needle_grid
 
+    from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
     length_values = parse_sizes(lengths, name="--length", minimum=16)
@@ -98,9 +100,9 @@ def needle(
     too_long = [n for n in length_values if loaded.context_length and n + 200 > loaded.context_length]
     if too_long:
         raise ConfigError(f"{loaded.name} holds {loaded.context_length} tokens; lengths {too_long} leave no room")
-    with err.status("Evaluating...") as status:
+    with working(err, "Evaluating...") as update:
         result = needle_grid(loaded, length_values, depth_values, settings,
-                             on_cell=lambda name, n, d: status.update(f"{name}: {n} tokens, depth {d:.0%}"))
+                             on_cell=lambda name, n, d: update(f"{name}: {n} tokens, depth {d:.0%}"))
     written = _heatmaps(result, plot_dir) if plot_dir else []
     if as_json:
         data = dataclasses.asdict(result)
@@ -119,7 +121,7 @@ def needle(
         err.print(f"wrote {path}", markup=False)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def multi(
     tokens: str = typer.Option("4k", "--length", "--tokens", help="Document length in tokens: 4000, 4k (k = 1024)."),
     facts: int = typer.Option(8, min=1, max=10, help="How many different facts the document holds."),
@@ -141,14 +143,15 @@ def multi(
 
     from snapkv.evaluation import many_questions
 
+    from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
     settings = _settings(budgets, modes, window, kernel, pooling, store_keep, store_method, store_bits)
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
-    with err.status("Evaluating...") as status:
+    with working(err, "Evaluating...") as update:
         result = many_questions(loaded, parse_size(tokens, name="--length", minimum=16), facts, settings,
-                                on_answer=lambda name, fact: status.update(f"{name}: {fact.question}"))
+                                on_answer=lambda name, fact: update(f"{name}: {fact.question}"))
     if as_json:
         data = dataclasses.asdict(result)
         data["accuracy"] = {name: result.accuracy(name) for name in result.found}
@@ -212,7 +215,7 @@ SHIPPED_DOCUMENTS = "17 documents shipped with snapkv, 1.5k-7k tokens, 431 quest
 FIDELITY_TIERS = "16/8,16/4,16/3,8,8/4,4/3,3/2+20%@8/4"
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def fidelity(
     tiers: str = typer.Option(
         FIDELITY_TIERS, help="Stored tiers to compare with the 16-bit cache (--store-bits values), "
@@ -248,6 +251,7 @@ def fidelity(
     from snapkv.atomic import write_atomically
     from snapkv.fidelity import load_documents, needle_documents, run_fidelity, settings_for
 
+    from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
     try:
@@ -282,8 +286,8 @@ def fidelity(
     settings = settings_for(tier_bits, budget, cut_budgets)
     err.print(f"{len(chosen)} documents, {questions} questions, {len(settings)} settings: "
               f"{', '.join(s.name for s in settings)}", markup=False, soft_wrap=True)
-    with err.status("Evaluating...") as status:
-        result = run_fidelity(loaded, chosen, tier_bits, budget, cut_budgets, on_progress=status.update,
+    with working(err, "Evaluating...") as update:
+        result = run_fidelity(loaded, chosen, tier_bits, budget, cut_budgets, on_progress=update,
                               on_document=keep)
     data = result.to_dict()
     if output is not None:

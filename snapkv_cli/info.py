@@ -12,32 +12,33 @@ from .options import PasswordOption
 
 
 def describe(path: Path) -> dict:
-    """The metadata plus sizes and per-layer kept counts (the file is fully validated)."""
+    """The metadata plus sizes and per-layer kept counts, from the file's header and raw bytes: checked as a load
+    checks it (its checksum included), without torch (snapkv.cacheinfo)."""
     from dataclasses import asdict
 
-    from snapkv.cachefile import load_cache, per_question_of
+    from snapkv.cacheinfo import describe_file
     from snapkv.measured import fidelity_of
 
-    cache, metadata = load_cache(path)
-    per_question = per_question_of(path, metadata)
+    described = describe_file(path)
+    metadata = described.metadata
     measured = fidelity_of(metadata.get("storage", {}).get("bits", 16))
     return {
         **metadata,
         "path": str(path),
         "file_bytes": path.stat().st_size,
-        "kv_bytes": cache.stored_kv_bytes,
-        "kv_bytes_full": cache.full_kv_bytes(2),
-        "kept_per_layer": [k.shape[1] for k in cache.keys],
-        "bytes_per_layer": cache.stored_layer_bytes(),
-        "held": cache.tier.describe(),
-        "answered_with": per_question.describe() if per_question else "the cache as it is",
+        "kv_bytes": described.stored_kv_bytes,
+        "kv_bytes_full": described.full_kv_bytes(2),
+        "kept_per_layer": described.kept_per_layer,
+        "bytes_per_layer": described.layer_bytes,
+        "held": described.tier.describe(),
+        "answered_with": described.per_question.describe() if described.per_question else "the cache as it is",
         "fidelity": asdict(measured) if measured else None,   # what `snapkv eval fidelity` measured for its tier
     }
 
 
 def staleness(data: dict, document: str | None, password: str | None) -> list[str]:
     """Why the cache no longer matches its document (the one given, else the recorded paths); [] if fresh."""
-    from snapkv.cachefile import recorded_sources
+    from snapkv.cachemeta import recorded_sources
     from snapkv.documents import read_sources, stale_sources
 
     recorded = recorded_sources(data["path"], data)
@@ -60,10 +61,11 @@ def info(
         data = describe(file)
         stale = staleness(data, document, password)
     data["stale"] = stale
+    data["matches"] = None if document is None else not stale  # whether the document given made this cache
     if as_json:
         print(json.dumps(data))
     else:
-        show(data)
+        show(data, document)
     if stale and document is not None:
         raise IncompatibleCacheError(f"{file} is stale: " + "; ".join(stale) + ". Build a new cache from the document.")
 
@@ -103,7 +105,8 @@ def _span(first: int, last: int) -> str:
     return f"layers {first}-{last}" if last > first else f"layer {first}"
 
 
-def show(data: dict) -> None:
+def show(data: dict, document: str | None = None) -> None:
+    """describe()'s data, with "stale" and "matches" added, as a table; `document`: the one the user named."""
     from rich.table import Table
 
     from .consoles import inert, stdout_console
@@ -136,4 +139,6 @@ def show(data: dict) -> None:
     table.add_row("made", inert(f"{created} by snapkv {producer.get('snapkv')}, transformers {producer.get('transformers')}"))
     if data["stale"]:
         table.add_row("status", inert("STALE: " + "; ".join(data["stale"])))
+    elif data.get("matches"):
+        table.add_row("status", inert(f"matches {document}: the cache was made from it"))
     stdout_console().print(table)

@@ -7,6 +7,8 @@ import typer
 
 from snapkv.errors import ConfigError
 
+from .usage import PlainCommand
+
 app = typer.Typer(help="The log of questions and answers (a SQLite file; `snapkv logs path` says where).",
                   invoke_without_command=True, rich_markup_mode=None)
 
@@ -47,7 +49,7 @@ def list_logs(
         console.print(inert(f"  A: {entry['answer'].strip()}"), soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def show(
     entry_id: int = typer.Argument(..., metavar="ID", help="The number `snapkv logs` shows (#12 is 12)."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole entry, its command's report included."),
@@ -74,7 +76,7 @@ def show(
     stdout_console().print(inert("\n".join(lines)), soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=PlainCommand)
 def path() -> None:
     """Where the log is."""
     from snapkv.logbook import log_path

@@ -4,6 +4,7 @@ Everything shown is computed from what the library returns (a PreparedDocument, 
 is read off a session.
 """
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -17,7 +18,8 @@ from snapkv.models import LoadedModel, load_model
 from snapkv.generation import Sampling
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
-from .consoles import SCHEMA_VERSION, inert, stderr_console, stdout_console  # noqa: F401 (re-exported)
+from .consoles import (SCHEMA_VERSION, done, inert, source_names, stderr_console,  # noqa: F401 (re-exported)
+                       stdout_console, working)
 
 
 def warn(err: Console, message: str) -> None:
@@ -41,56 +43,74 @@ def pyplot():
 def load_with_status(err: Console, model: str | None, device: str, dtype: str,
                      device_map: str | None = None) -> tuple[LoadedModel, float]:
     """The model, with a spinner while it loads and one progress bar of ours the first time a GGUF file (the
-    embedded model) is converted."""
+    embedded model) is converted; off a terminal, a line for each."""
     from snapkv.models import MODEL_POOL
 
+    live = err.is_terminal
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
                         transient=True)
-    task = None
+    task, converting_since = None, None
 
-    def on_convert(done: int, total: int) -> None:
-        nonlocal task
-        if task is None:
+    def on_convert(done_parts: int, total: int) -> None:
+        nonlocal task, converting_since
+        if converting_since is None:
+            converting_since = time.perf_counter()
+            done(err, "converting the model once to safetensors (about 30 s; later loads take seconds)")
+        if live and task is None:
             status.stop()
             progress.start()
             task = progress.add_task("Converting the model once to safetensors (about 30 s; later loads take "
                                      "seconds)", total=total)
-        progress.update(task, completed=done, total=total)
+        if live:
+            progress.update(task, completed=done_parts, total=total)
+        elif done_parts == total:
+            done(err, f"converted the model in {time.perf_counter() - converting_since:.1f} s")
 
     status = err.status("Loading model...")
-    status.start()
+    if live:
+        status.start()
     started = time.perf_counter()
     try:
         loader = MODEL_POOL.get if MODEL_POOL is not None else load_model
         loaded = loader(model, device=device, dtype=dtype, device_map=device_map, on_convert=on_convert)
     finally:
-        status.stop()
-        progress.stop()
-    return loaded, time.perf_counter() - started
+        if live:
+            status.stop()
+            progress.stop()
+    seconds = time.perf_counter() - started
+    done(err, f"loaded {loaded.name} ({loaded.device}, {str(loaded.dtype).replace('torch.', '')}) in {seconds:.1f} s")
+    return loaded, seconds
 
 
 @contextmanager
 def prefill_progress(err: Console, tokens: int, scoring: str | None = None):
     """Progress bars for a prefill (per layer, with tokens/s) and, where the stored tier is chosen after it,
-    for its scoring passes; yields the (on_layer, on_step) callbacks for Session.prepare."""
+    for its scoring passes; yields the (on_layer, on_step) callbacks for Session.prepare. Off a terminal, a
+    line when the prefill starts and one when the scoring does."""
+    live = err.is_terminal
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[unit]}"),
                         TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err, transient=True)
     tasks: dict[str, int] = {}
     started = time.perf_counter()
 
-    def on_layer(done: int, total: int) -> None:
+    def on_layer(done_parts: int, total: int) -> None:
         if "prefill" not in tasks:
             tasks["prefill"] = progress.add_task(f"Prefilling {tokens} tokens", total=total, unit="", rate="")
+            done(err, f"prefilling {tokens} tokens")
         elapsed = time.perf_counter() - started
         unit = "tokens" if total == tokens else "layer"  # a prefill in chunks reports tokens, an exact one layers
-        progress.update(tasks["prefill"], completed=done, unit=f"{unit} {done}/{total}",
-                        rate=f"{tokens * done / total / max(elapsed, 1e-9):,.0f} tokens/s")
+        progress.update(tasks["prefill"], completed=done_parts, unit=f"{unit} {done_parts}/{total}",
+                        rate=f"{tokens * done_parts / total / max(elapsed, 1e-9):,.0f} tokens/s")
 
-    def on_step(done: int, total: int) -> None:
+    def on_step(done_parts: int, total: int) -> None:
         if "scoring" not in tasks:
             tasks["scoring"] = progress.add_task(f"Choosing the stored tier ({scoring})", total=total, unit="", rate="")
-        progress.update(tasks["scoring"], completed=done, total=total, unit=f"pass {done}/{total}")
+            done(err, f"choosing the stored tier ({scoring})")
+        progress.update(tasks["scoring"], completed=done_parts, total=total, unit=f"pass {done_parts}/{total}")
 
+    if not live:
+        yield on_layer, on_step
+        return
     with progress:
         yield on_layer, on_step
 
@@ -115,16 +135,23 @@ def prepare_with_progress(err: Console, session: Session, document) -> PreparedD
         prepared = session.prepare(prompt, on_layer=on_layer, on_step=on_step)
     for note in prepared.notes:
         warn(err, note)
+    if prepared.hit:
+        done(err, f"found the document's cache in the store, loaded in {prepared.load_seconds:.2f} s")
+    else:
+        scoring = f" ({prepared.tier_seconds:.1f} s of it choosing the stored tier)" if prepared.tier_seconds >= 0.05 else ""
+        saved = f"; saved in {prepared.save_seconds:.2f} s" if prepared.path else ""
+        done(err, f"prefilled {prepared.tokens} tokens in {prepared.prefill_seconds:.1f} s{scoring}{saved}")
     return prepared
 
 
 def load_file_with_status(err: Console, session: Session, path: str,
                           explicit: frozenset[str] = frozenset()) -> PreparedDocument:
     """A saved .snapkv cache, answered as the file says or as `explicit` settings ask; warnings shown."""
-    with err.status("Loading saved cache..."):
+    with working(err, "Loading saved cache..."):
         prepared = session.load_file(path, explicit=explicit)
     for note in prepared.notes:
         warn(err, note)
+    done(err, f"loaded the saved cache in {prepared.load_seconds:.2f} s")
     return prepared
 
 
@@ -157,7 +184,7 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
             "kv_bytes_full_16bit": cache.full_kv_bytes(2),     # as a 16-bit file holds it
             "kv_dtype": str(cache.compute_dtype).replace("torch.", ""),
         },
-        "cache": {"path": str(prepared.path) if prepared.path else None, "hit": prepared.hit,
+        "cache": {"path": os.path.abspath(prepared.path) if prepared.path else None, "hit": prepared.hit,
                   "bytes": prepared.file_bytes, "load_seconds": round(prepared.load_seconds, 4),
                   "save_seconds": round(prepared.save_seconds, 4)},
         "timings": {k: round(v, 4) for k, v in {**timings, "prefill_seconds": prepared.prefill_seconds}.items()},
@@ -181,7 +208,9 @@ def stats_table(data: dict) -> Table:
     table.add_column(style="dim")
     table.add_column(overflow="fold")
     comp, cache = data["compression"], data["cache"]
-    table.add_row("document", f"{data['document']['tokens']} tokens")
+    sources = [source["name"] for source in data["document"]["sources"]]
+    table.add_row("document", f"{data['document']['tokens']} tokens"
+                              + (f" from {source_names(sources)}" if sources else ""))
     ratio = data["document"]["tokens"] / max(comp["kept_tokens"], 1)
     if comp["mode"] == "full":
         table.add_row("kept", "everything (full cache)")
@@ -223,20 +252,25 @@ def stream_answer(session: Session, prepared: PreparedDocument, question: str, *
     its numbers are appended to `results`, an interrupted answer's too, before the interrupt goes on."""
     stream = session.ask(prepared, question, answer_prefix=answer_prefix,
                          max_new_tokens=max_new_tokens, sampling=sampling)
-    spinner = err.status("Thinking...") if show else None
+    spinner = err.status("Thinking...") if show and err.is_terminal else None
     if spinner:
         spinner.start()
+    started = False  # the answer's first piece was shown, after the prefix
     try:
         for piece in stream:
-            if spinner:
-                spinner.stop()
-                spinner = None
+            if show and not started:
+                if spinner:
+                    spinner.stop()
+                    spinner = None
                 out.print(inert(answer_prefix), end="")
+                started = True
             if show:
                 out.print(inert(piece), end="")
                 out.file.flush()
-        if spinner:  # an answer with no text at all
+        if spinner:
             spinner.stop()
+            spinner = None
+        if show and not started:  # an answer with no text at all
             out.print(inert(answer_prefix), end="")
         if show:
             out.print()

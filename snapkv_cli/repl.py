@@ -16,7 +16,7 @@ from snapkv.paths import CACHE_SUFFIX as SUFFIX
 from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, PasswordOption, PoolingOption, PrefillChunkOption,
                       QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
-                      StoreMethodOption, TruncateOption, WindowOption, explicit_settings, settings_from)
+                      StoreMethodOption, SystemOption, TruncateOption, WindowOption, explicit_settings, settings_from)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
   /help                 this text
@@ -24,11 +24,14 @@ HELP = """Type a question and press Enter (end a line with \\ to continue it on 
   /set NAME VALUE       change one: budget, temperature, top-p, seed, max-tokens
   /budget N             the same as /set budget N (turns query-aware on)
   /query-aware on|off   cut the cache per question with the question as the window, or answer from all of it
-  /stats                document, cache and speed figures
+  /stats                document, cache and speed figures of the last answer
   /save NAME            save the loaded cache to NAME (.snapkv is added when missing)
+  /load SOURCE          answer from another document, folder or saved .snapkv cache
+  /clear                clear the screen and forget this session's answers
   /exit                 leave (Ctrl-D too). Ctrl-C stops an answer and keeps the session.
-Tab completes the commands; the input history is kept in the log (`snapkv logs`)."""
-COMMANDS = ("/help", "/show", "/set", "/budget", "/query-aware", "/stats", "/save", "/exit", "/quit")
+Tab completes the commands; each answer is logged as it is given (`snapkv logs`), with the input history."""
+COMMANDS = ("/help", "/show", "/set", "/budget", "/query-aware", "/stats", "/save", "/load", "/clear", "/exit",
+            "/quit")
 SETTABLE = ("budget", "temperature", "top-p", "seed", "max-tokens")
 
 
@@ -172,6 +175,7 @@ def repl(
     device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
+    system: SystemOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print each answer as one JSON line on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No greeting and no stats at the end."),
     no_log: bool = typer.Option(False, "--no-log", help="Keep this session's answers out of the log."),
@@ -181,32 +185,52 @@ def repl(
     With stdin not a terminal, each line of stdin is a question (or a /command), so scripts can drive it;
     the exit code is then 2 if any /command failed.
     """
+    from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
+
+    from .consoles import stderr_console, stdout_console
+
+    err, out = stderr_console(), stdout_console()
+    settings = settings_from(budget, window, kernel, pooling, query_aware, False, store_budget, store_keep,
+                             store_method, store_bits, prefill_chunk)
+
+    def open_source(spec: str, explicit: frozenset[str] = frozenset(), document=None):
+        """A document's cache (from the store or a prefill) or a saved file's, warnings shown; `document`: the
+        source already read."""
+        if spec.endswith(SUFFIX):
+            return load_file_with_status(err, session, spec, explicit)
+        document = document or read_sources(spec, password)
+        for note in document.notes:
+            err.print("warning: " + note, markup=False, soft_wrap=True)
+        return prepare_with_progress(err, session, document)
+
+    from_file = source.endswith(SUFFIX)
+    document = None  # a missing or unreadable input is reported before torch and the model load
+    if from_file:
+        read_metadata(source)
+    else:
+        document = read_sources(source, password)
+
     from snapkv.generation import Sampling
     from snapkv.session import Session
     from snapkv.store import CacheStore
 
     from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress, report,
-                         stats_table, stderr_console, stdout_console, stream_answer)
+                         stats_table, stream_answer)
 
-    err, out = stderr_console(), stdout_console()
-    settings = settings_from(budget, window, kernel, pooling, query_aware, False, store_budget, store_keep,
-                             store_method, store_bits, prefill_chunk)
-    from_file = source.endswith(SUFFIX)
-    document = None if from_file else read_sources(source, password)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate, compile=compile)
-    prepared = (load_file_with_status(err, session, source, explicit_settings(ctx)) if from_file
-                else prepare_with_progress(err, session, document))
+                      truncate=truncate, compile=compile, system=system)
+    prepared = open_source(source, explicit_settings(ctx) if from_file else frozenset(), document)
     state = _State(prepared, prepared.per_question or settings.cut,
                    Sampling(temperature=temperature, top_p=top_p, seed=seed), max_new_tokens)
     timings = {"model_load_seconds": model_load_seconds}
     answers, failures = [], 0
+    last = None  # the report of the last answer (what /stats shows)
     interactive = sys.stdin.isatty()
     if not quiet:
-        err.print(f"{prepared.tokens} tokens ready ({'loaded' if prepared.hit else 'prefilled'}). /help for commands.",
-                  markup=False)
+        err.print(f"{prepared.tokens} tokens ready ({'loaded' if prepared.hit or from_file else 'prefilled'}). "
+                  "/help for commands.", markup=False)
     for line in _questions(_terminal_lines() if interactive else _piped_lines()):
         line = line.strip()
         if not line:
@@ -222,7 +246,7 @@ def repl(
                 elif command == "/show":
                     err.print(state.show(), markup=False)
                 elif command == "/stats":
-                    err.print(stats_table(report(loaded, state.prepared, answers, timings)))
+                    err.print(stats_table(last or report(loaded, state.prepared, [], timings)))
                 elif command == "/set":
                     name, _, value = argument.partition(" ")
                     if not value.strip():
@@ -239,8 +263,21 @@ def repl(
                     if not argument:
                         raise ReplError("say /save NAME")
                     path = Path(argument if argument.endswith(SUFFIX) else argument + SUFFIX)
-                    session.save(state.prepared, path)
-                    err.print(f"saved {path} ({state.prepared.file_bytes / 2**20:.1f} MiB)", markup=False)
+                    saved = dataclasses.replace(state.prepared)  # how this cache was obtained stays as it was
+                    session.save(saved, path)
+                    err.print(f"saved {path} ({saved.file_bytes / 2**20:.1f} MiB)", markup=False)
+                elif command == "/load":
+                    if not argument:
+                        raise ReplError("say /load SOURCE: a document, a folder or a .snapkv file")
+                    opened = open_source(argument)
+                    state = _State(opened, opened.per_question or settings.cut, state.sampling, state.max_new_tokens)
+                    err.print(f"{opened.tokens} tokens ready from {argument}", markup=False)
+                elif command == "/clear":
+                    answers.clear()
+                    last = None
+                    if err.is_terminal:
+                        err.clear()
+                    err.print("cleared: the session's answers are forgotten", markup=False)
                 else:
                     raise ReplError(f"unknown command {command}; /help lists them")
             except (ReplError, SnapKVError) as error:
@@ -257,12 +294,13 @@ def repl(
             out.print()
             err.print(f"[answer stopped after {time.perf_counter() - started:.1f} s; the cache is unchanged]",
                       markup=False)
-        if as_json and len(answers) > count:
-            data = report(loaded, state.prepared, answers[count:], timings)
-            out.file.write(json.dumps({**data, "answers": data["answers"]}) + "\n")
-            out.file.flush()
-    if not no_log:
-        log_answers(err, "repl", report(loaded, state.prepared, answers, timings))
+        if len(answers) > count:
+            last = report(loaded, state.prepared, answers[count:], timings)
+            if not no_log:  # logged as given: a session that ends badly loses none
+                log_answers(err, "repl", last)
+            if as_json:
+                out.file.write(json.dumps(last) + "\n")
+                out.file.flush()
     if not interactive and answers and not quiet and not as_json:
         err.print(stats_table(report(loaded, state.prepared, answers, timings)))
     if not interactive and failures:

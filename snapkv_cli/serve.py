@@ -2,15 +2,19 @@
 costs what the REPL pays instead of a process start, imports and a model load.
 
 `snapkv ask` looks for the server's socket first and, when one answers, runs there: the same code, the same
-output on stdout and stderr, the same exit code. The socket lives in the snapkv home, readable by its user
+output on stdout and stderr, the same exit code. When none answers, the first `ask` starts one in the
+background (its input checked first, so a mistyped path never waits on a model load) and runs there; that
+server stops after SNAPKV_KEEP_ALIVE seconds without a request (300; 0 starts none). The socket lives in the snapkv home, readable by its user
 only (and connections from other users are refused); the server exits after --idle-timeout seconds without
 a request, or on `snapkv serve --stop`.
 
-Protocol, one JSON object per line: the client sends {"argv", "cwd", "env"} (or {"stop": true}); the server
-answers with {"out": text} and {"err": text} as the command writes, then {"exit": code}.
+Protocol, one JSON object per line: the client sends {"argv", "cwd", "env", "terminal"} (or {"stop": true});
+"terminal" lists which of the client's "out" and "err" are terminals, so that progress is drawn as it would
+be there. The server answers with {"out": text} and {"err": text} as the command writes, then {"exit": code}.
 """
 
 import contextlib
+import contextvars
 import hashlib
 import io
 import json
@@ -18,8 +22,10 @@ import os
 import queue
 import signal
 import socket
+import shutil
 import stat
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -33,9 +39,12 @@ from snapkv.ownership import NotPrivate, private_folder, written_only_by_me
 from snapkv.paths import snapkv_home
 
 DEFAULT_IDLE_SECONDS = 900
+KEEP_ALIVE_SECONDS = 300       # the server the first `ask` leaves stops after this long without a request
 IN_SERVER = False  # True in the server process: its commands run there, never forwarded again
+# The command line being run (set by snapkv_cli.app.run): what the first `ask` hands to the server it starts.
+COMMAND_LINE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("snapkv_command_line", default=None)
 # Environment a command reads, passed from the client to the server for the request.
-FORWARDED_ENV = ("SNAPKV_MODEL", "SNAPKV_DEBUG", "SNAPKV_PDF_TIMEOUT", "SNAPKV_PDF_MEMORY_MB", "SNAPKV_NOLOG",
+FORWARDED_ENV = ("SNAPKV_MODEL", "SNAPKV_SYSTEM", "SNAPKV_DEBUG", "SNAPKV_PDF_TIMEOUT", "SNAPKV_PDF_MEMORY_MB", "SNAPKV_NOLOG",
                  "COLUMNS", "NO_COLOR")
 
 
@@ -105,14 +114,27 @@ def _connect(timeout: float = 2.0) -> socket.socket | None:
     return connection
 
 
+def _terminals() -> list[str]:
+    """Which of this process's output streams are terminals ("out", "err")."""
+    found = []
+    for name, stream in (("out", sys.stdout), ("err", sys.stderr)):
+        with contextlib.suppress(AttributeError, ValueError):
+            if stream.isatty():
+                found.append(name)
+    return found
+
+
 def run_remotely(argv: list[str]) -> int | None:
     """Run a command line on the server; its exit code, or None when no server is running."""
     connection = _connect()
     if connection is None:
         return None
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    terminal = _terminals()
+    if terminal and "COLUMNS" not in env:  # the server draws progress as wide as this terminal
+        env["COLUMNS"] = str(shutil.get_terminal_size().columns)
     try:
-        _send(connection, {"argv": argv, "cwd": os.getcwd(), "env": env})
+        _send(connection, {"argv": argv, "cwd": os.getcwd(), "env": env, "terminal": terminal})
         for line in connection.makefile("r", encoding="utf-8"):
             message = json.loads(line)
             if "out" in message:
@@ -157,6 +179,52 @@ def stop_server() -> bool:
     return True
 
 
+def disabled_by_environment() -> bool:
+    """SNAPKV_NO_SERVER=1: every ask runs where it is typed, using no server and starting none."""
+    return os.environ.get("SNAPKV_NO_SERVER", "") not in ("", "0")
+
+
+def keep_alive_seconds() -> float:
+    """How long the server the first `ask` starts waits for another request: SNAPKV_KEEP_ALIVE seconds
+    (300 by default; 0 starts none)."""
+    from snapkv.errors import ConfigError
+
+    text = os.environ.get("SNAPKV_KEEP_ALIVE", "").strip()
+    if not text:
+        return KEEP_ALIVE_SECONDS
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 7 * 86400:
+        raise ConfigError(f"SNAPKV_KEEP_ALIVE={text!r}: give seconds from 0 (start no server) to 604800")
+    return seconds
+
+
+def start_in_background(idle_seconds: float, model: Optional[str], device: str, dtype: str) -> bool:
+    """Start `snapkv serve` in a session of its own (its output to serve.log in the snapkv home) and wait until
+    it listens: True then; False when it exited first (the caller runs the command itself, which reports what
+    stopped the server, a missing model say). A server another command started meanwhile counts as started."""
+    home = snapkv_home()
+    home.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "snapkv_cli", "serve", "--idle-timeout", f"{idle_seconds:g}",
+               "--device", device, "--dtype", dtype, *(["--model", model] if model else [])]
+    with open(home / "serve.log", "ab") as log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                   start_new_session=True)  # Ctrl-C in this terminal does not reach it
+    while True:
+        probe = _connect()
+        if probe is not None:
+            probe.close()
+            return True
+        if process.poll() is not None:
+            probe = _connect()  # exited because another server took the home: that one answers
+            if probe is not None:
+                probe.close()
+            return probe is not None
+        time.sleep(0.1)
+
+
 def _server_pid() -> int | None:
     """The pid the running server wrote beside its lock (only a server of this home holds that lock)."""
     try:
@@ -177,23 +245,27 @@ class BadRequest(ValueError):
 
 
 class _Frames(io.TextIOBase):
-    """A text stream whose writes go to the client as {"out"|"err": text} messages."""
+    """A text stream whose writes go to the client as {"out"|"err": text} messages; a terminal when the
+    client's stream is one. Both streams of a request share `lock` (a progress display writes from a thread
+    of its own while the answer is printed), so that no two messages interleave on the socket."""
 
-    def __init__(self, connection: socket.socket, kind: str) -> None:
-        self._connection, self._kind, self.gone = connection, kind, False
+    def __init__(self, connection: socket.socket, kind: str, lock: threading.Lock, terminal: bool) -> None:
+        self._connection, self._kind, self._lock, self._terminal = connection, kind, lock, terminal
+        self.gone = False
 
     def write(self, text: str) -> int:
-        if self.gone:
+        if self.gone or not text:
             return len(text)
         try:
-            _send(self._connection, {self._kind: text})
+            with self._lock:
+                _send(self._connection, {self._kind: text})
         except OSError as error:  # gone, or not reading for SEND_SECONDS
             self.gone = True
             raise ClientGone() from error
         return len(text)
 
     def isatty(self) -> bool:
-        return False
+        return self._terminal
 
     @property
     def encoding(self) -> str:
@@ -230,9 +302,10 @@ def validated(request) -> dict:
         raise BadRequest("a request must be a JSON object")
     if request.get("stop") is True and set(request) == {"stop"}:
         return request
-    if set(request) - {"argv", "cwd", "env"}:
-        raise BadRequest(f"unknown request keys {sorted(set(request) - {'argv', 'cwd', 'env'})}")
+    if set(request) - {"argv", "cwd", "env", "terminal"}:
+        raise BadRequest(f"unknown request keys {sorted(set(request) - {'argv', 'cwd', 'env', 'terminal'})}")
     argv, cwd, env = request.get("argv"), request.get("cwd"), request.get("env", {})
+    terminal = request.get("terminal", [])
     if not isinstance(argv, list) or not argv or len(argv) > 10_000 or not all(isinstance(a, str) for a in argv):
         raise BadRequest("argv must be a non-empty list of texts")
     if not isinstance(cwd, str) or not os.path.isabs(cwd) or not os.path.isdir(cwd):
@@ -240,6 +313,8 @@ def validated(request) -> dict:
     if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) and "\0" not in v
                                             for k, v in env.items()):
         raise BadRequest("env must map names to texts")
+    if not isinstance(terminal, list) or not all(t in ("out", "err") for t in terminal):
+        raise BadRequest('terminal must list "out" and/or "err"')
     return request
 
 
@@ -269,7 +344,8 @@ def _answer(connection: socket.socket, request: dict) -> None:
         _send(connection, {"exit": 2})
         return
     connection.settimeout(SEND_SECONDS)
-    out, err = _Frames(connection, "out"), _Frames(connection, "err")
+    lock, terminal = threading.Lock(), request.get("terminal", [])
+    out, err = _Frames(connection, "out", lock, "out" in terminal), _Frames(connection, "err", lock, "err" in terminal)
     with _request_context(request), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = run(argv)

@@ -51,6 +51,7 @@ def tiny_model(request):
 def snapkv_home(tmp_path, monkeypatch):
     """Every test gets its own snapkv home; the embedded model's conversion is shared (see below)."""
     monkeypatch.setenv("SNAPKV_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SNAPKV_KEEP_ALIVE", "0")  # an ask starts no background server unless a test asks for one
     monkeypatch.delenv("SNAPKV_MODEL", raising=False)
     return tmp_path / "home"
 

@@ -1,5 +1,6 @@
 """compress, info, cache and repl, driven in-process with CliRunner, on the embedded model."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -50,9 +51,9 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     # what the file stores, and when, in a form people and scripts read
     import datetime
 
-    assert entries[0]["bits"] == str(DEFAULTS.store_bits)
+    assert entries[0]["bits"] == str(DEFAULTS.store_bits) and entries[0]["tier"] == "whole prompt"
     assert datetime.datetime.fromisoformat(entries[0]["modified_iso"]).timestamp() == int(entries[0]["modified"])
-    assert f" {DEFAULTS.store_bits} " in invoke("cache", "list").stdout
+    assert f" {DEFAULTS.store_bits} " in invoke("cache", "list").stdout and " whole prompt " in invoke("cache", "list").stdout
     assert "1 cache," in invoke("cache", "list").stdout
     assert invoke("cache", "rm", entries[0]["key"][:10]).exit_code == 0
     assert json.loads(invoke("cache", "list", "--json").stdout) == []
@@ -149,6 +150,31 @@ def test_repl_through_stdin(home, tmp_path):
     assert "unknown command /nonsense" in result.stderr
     assert saved.is_file()
     assert "never asked" not in result.stdout
+
+
+@pytest.mark.slow
+def test_repl_stats_of_the_last_answer_load_clear_and_the_log(home, tmp_path, monkeypatch):
+    """/stats tells of the last answer (not of a budget set since), /save leaves how the cache was obtained as it
+    was, /load answers from another file, /clear forgets the answers; each answer is logged with absolute paths."""
+    from snapkv.logbook import Logbook
+
+    monkeypatch.chdir(tmp_path)
+    script = "\n".join([REVENUE, "/budget 512", "/stats", "/save notes", "/stats", "/load notes.snapkv",
+                        "What is the net debt?", "/stats", "/clear", "/stats", "/exit"]) + "\n"
+    result = invoke("repl", str(SAMPLE), "--max-new-tokens", "24", input=script)
+    assert result.exit_code == 0, result.output
+    labels = ("kept", "KV memory", "prefill", "cache", "answer", "peak memory", " ")
+    tables = ["\n".join(itertools.takewhile(lambda line: line.startswith(labels), part.splitlines()[1:]))
+              for part in result.stderr.split("document     ")[1:]]  # the rows of each /stats
+    assert len(tables) == 4
+    assert "kept         everything" in tables[0] and "512 per head" not in tables[0] and "answer " in tables[0]
+    assert tables[1] == tables[0]  # a /save changes nothing /stats tells
+    assert "kept         512 per head" in tables[2] and "answer " in tables[2]
+    assert "answer " not in tables[3]  # /clear forgot the answers
+    assert "cleared" in result.stderr and "tokens ready from notes.snapkv" in result.stderr
+    logged = Logbook().entries()
+    assert [entry["question"] for entry in logged] == ["What is the net debt?", REVENUE]
+    assert logged[0]["cache_path"] == str(tmp_path / "notes.snapkv")
 
 
 @pytest.mark.slow

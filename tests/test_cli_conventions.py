@@ -1,6 +1,7 @@
 """The conventions of a command line people live in: fast help, --version, --debug anywhere, sizes, logs,
 models, never downloading, a local server for instant follow-ups, and a REPL driven through a pty."""
 
+import contextlib
 import json
 import os
 import pty
@@ -142,6 +143,51 @@ def test_the_server_answers_as_a_local_ask_does(home, tmp_path):
         assert not socket_file.exists()
     finally:
         server.kill()
+
+
+@pytest.mark.timeout(900)
+def test_the_first_ask_leaves_a_server_that_answers_the_next(home, tmp_path):
+    """Without `serve`, the first ask starts a server in the background (said once on stderr) and runs there; the
+    next ask as typed is a store hit on it, drawing progress as on the user's terminal; errors found before a model
+    is needed, --no-server and SNAPKV_KEEP_ALIVE=0 start none."""
+    env = {"SNAPKV_KEEP_ALIVE": "120", "SNAPKV_NO_SERVER": "0"}
+    question = [SAMPLE, REVENUE, "--budget", "512", "--max-new-tokens", "24"]
+    try:
+        missing = snapkv("ask", tmp_path / "missing.txt", "Q", home=home, env=env)
+        assert missing.returncode == 4 and "no such file" in missing.stderr
+        assert snapkv("ask", "--no-server", *question, "-q", home=home, env=env).returncode == 0
+        assert snapkv("ask", *question, "-q", home=home, env={**env, "SNAPKV_KEEP_ALIVE": "0"}).returncode == 0
+        bad = snapkv("ask", *question, home=home, env={**env, "SNAPKV_KEEP_ALIVE": "soon"})
+        assert bad.returncode == 2 and "SNAPKV_KEEP_ALIVE='soon'" in bad.stderr
+        assert snapkv("serve", "--status", home=home).returncode == 8  # none of them started a server
+
+        first = snapkv("ask", *question, home=home, env=env)
+        assert first.returncode == 0, first.stderr
+        assert first.stderr.count("started a server") == 1 and "stops after 2 min" in first.stderr
+        assert "184.6" in first.stdout
+        assert "\x1b[" not in first.stderr and "\r" not in first.stderr  # plain lines off a terminal
+        assert snapkv("serve", "--status", home=home).returncode == 0
+
+        second = snapkv("ask", *question, home=home, env=env)
+        assert second.returncode == 0 and second.stdout == first.stdout
+        assert "started a server" not in second.stderr and "loaded SmolLM2-135M-Instruct" in second.stderr
+        assert "cache        hit" in second.stderr
+
+        pid, fd = pty.fork()  # the same ask on a terminal: the server draws its spinner there
+        if pid == 0:
+            os.environ.update(SNAPKV_HOME=str(home), **env)
+            os.execv(sys.executable, [sys.executable, "-m", "snapkv_cli", "ask", *map(str, question)])
+        try:
+            shown = _read_until(fd, "peak memory")
+            assert "184.6" in shown and "\x1b[" in shown and "Thinking" in shown
+            _, status = os.waitpid(pid, 0)
+            assert os.WEXITSTATUS(status) == 0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            os.close(fd)
+    finally:
+        assert snapkv("serve", "--stop", home=home).returncode == 0
 
 
 def _read_until(fd: int, marker: str, timeout: float = 240) -> str:

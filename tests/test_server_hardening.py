@@ -34,6 +34,9 @@ SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
     ({"argv": ["ask"], "cwd": ["/"]}, "cwd"),
     ({"argv": ["ask"], "cwd": "/", "extra": 1}, "unknown"),
     ({"stop": 1}, "unknown request keys"),
+    ({"argv": ["ask"], "cwd": "/", "terminal": ["tty"]}, "terminal"),
+    ({"argv": ["ask"], "cwd": "/", "terminal": [["out"]]}, "terminal"),
+    ({"argv": ["ask"], "cwd": "/", "terminal": "out"}, "terminal"),
 ])
 def test_requests_of_the_wrong_shape_are_refused(request_, message):
     with pytest.raises(serve.BadRequest, match=message):
