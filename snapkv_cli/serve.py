@@ -364,9 +364,11 @@ class _Receiver:
         self.requests: "queue.Queue[tuple[socket.socket, dict]]" = queue.Queue()
         self.stopping = threading.Event()
         self.busy = threading.Event()   # a request is running (a stop then signals the server)
+        self.last_activity = time.monotonic()  # of the last connection or answer (the idle timeout counts from it)
         self._reading = threading.BoundedSemaphore(MAX_WAITING)
 
     def take(self, connection: socket.socket) -> None:
+        self.last_activity = time.monotonic()
         if not self._reading.acquire(blocking=False):
             connection.close()  # too many at once: turned away, not queued without bound
             return
@@ -466,17 +468,14 @@ def serve_forever(idle_seconds: float, preload: Optional[str], device: str, dtyp
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     receiver = _Receiver()
     server.settimeout(0.2)
-    last = time.monotonic()
+    # connections are taken on a thread of their own, so that a stop is read while an answer runs
+    threading.Thread(target=_accept_forever, args=(server, receiver), daemon=True).start()
     try:
         while not receiver.stopping.is_set():
-            with contextlib.suppress(socket.timeout):
-                connection, _ = server.accept()
-                receiver.take(connection)
-                last = time.monotonic()
             try:
-                connection, request = receiver.requests.get_nowait()
+                connection, request = receiver.requests.get(timeout=0.2)
             except queue.Empty:
-                if time.monotonic() - last > idle_seconds:
+                if time.monotonic() - receiver.last_activity > idle_seconds:
                     return
                 continue
             receiver.busy.set()
@@ -487,10 +486,22 @@ def serve_forever(idle_seconds: float, preload: Optional[str], device: str, dtyp
                 print(f"snapkv server: a request failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             finally:
                 receiver.busy.clear()
-                last = time.monotonic()
+                receiver.last_activity = time.monotonic()
     finally:
         server.close()
         _remove_own_socket(path, made)
+
+
+def _accept_forever(server: socket.socket, receiver: "_Receiver") -> None:
+    """Hand every connection to the receiver until the server stops or its socket is closed."""
+    while not receiver.stopping.is_set():
+        try:
+            connection, _ = server.accept()
+        except socket.timeout:
+            continue
+        except OSError:  # closed: the server is ending
+            return
+        receiver.take(connection)
 
 
 def _detach() -> bool:
