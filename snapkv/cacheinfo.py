@@ -210,13 +210,8 @@ def _layers_format_2(path: Path, tensors: dict[str, StoredTensor], metadata: dic
     bits, head_dim, kv_heads = stored_layout(path, metadata, tensors, layers)
     found = []
     for index in range(layers):
-        mask = tensors[f"layers.{index}.kept"]
-        if mask.dtype != UINT8 or mask.shape != (kv_heads, (length + 7) // 8):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} kept-positions mask {mask.shape})")
-        try:
-            kept = _kept_per_head(mask, length)
-        except ValueError as error:
-            raise CacheFileError(f"{path}: damaged cache (layer {index}: {error})") from error
+        kept = _counted(path, tensors[f"layers.{index}.kept"], kv_heads, length, f"layer {index}",
+                        "kept-positions mask")
         shape = (kv_heads, kept, head_dim)
         keys, values = (_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits)
                         for kind in ("keys", "values"))
@@ -243,12 +238,7 @@ def _stored_part(path: Path, tensors: dict[str, StoredTensor], name: str, shape:
         return _quantized_part(path, tensors, name, "", shape, storage, kind)
     heads, held, head_dim = shape
     mask = tensors[f"{name}.sharp_mask"]
-    if mask.dtype != UINT8 or mask.shape != (heads, (held + 7) // 8):
-        raise CacheFileError(f"{path}: damaged cache ({name} sharper mask {mask.shape})")
-    try:
-        count = _kept_per_head(mask, held)
-    except ValueError as error:
-        raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
+    count = _counted(path, mask, heads, held, name, "sharper mask")
     high = _quantized_part(path, tensors, name, "sharp_", (heads, count, head_dim), storage, f"sharp_{kind}")
     low = _quantized_part(path, tensors, name, "", (heads, held - count, head_dim), storage, kind)
     return Part(shape, high.stored + low.stored + mask.nbytes, scales=high.scales + low.scales)
@@ -266,6 +256,17 @@ def _quantized_part(path: Path, tensors: dict[str, StoredTensor], name: str, pre
         raise CacheFileError(f"{path}: damaged cache ({name}: shapes {codes.shape}, {scale.shape}, "
                              f"{minimum.shape} do not fit {shape} at {scheme.bits} bits)")
     return Part(shape, codes.nbytes + scale.nbytes + minimum.nbytes, scales=(scale, minimum))
+
+
+def _counted(path: Path, mask: StoredTensor, heads: int, length: int, owner: str, kind: str) -> int:
+    """The positions each head keeps by a (heads, ceil(length / 8)) bit mask, its dtype and shape checked;
+    CacheFileError naming `owner` (a layer, a tensor) and the mask's `kind` otherwise."""
+    if mask.dtype != UINT8 or mask.shape != (heads, (length + 7) // 8):
+        raise CacheFileError(f"{path}: damaged cache ({owner} {kind} {mask.shape})")
+    try:
+        return _kept_per_head(mask, length)
+    except ValueError as error:
+        raise CacheFileError(f"{path}: damaged cache ({owner}: {error})") from error
 
 
 def _kept_per_head(mask: StoredTensor, length: int) -> int:
