@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from . import native
 
 BLOCK = 32
-KERNEL_ROWS = 1  # rows taken by the block kernel (it measured no faster at 2+, see README)
+KERNEL_ROWS = 1  # rows taken by the block kernel (it measured no faster at 2+, see docs/measurements.md)
 FEW_ROWS = 64  # up to this many rows (a question) are multiplied with the fp32 weights by kernels/few_rows.c
 
 

@@ -194,7 +194,7 @@ class SnapKVConfig:
                   store_keep and store_method do not apply. None: the exact prefill.
     """
 
-    budget: int = 4096  # chosen by `snapkv eval fidelity` against the full cache (README "Defaults, and why")
+    budget: int = 4096  # chosen by `snapkv eval fidelity` against the full cache (docs/how-it-works.md, "Defaults, and why")
     window: int = 32
     kernel: int = SnapKV.kernel
     pooling: Pooling = SnapKV.pooling

@@ -25,7 +25,7 @@ GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide v
 
 
 # Below 8 bits, rotated, keys per channel over 128 tokens and values per token over the head: measured on
-# the embedded model (README "What is saved"), 4/3 bits this way (4.1x smaller than 16) answered the sweep's
+# the embedded model (docs/what-is-saved.md), 4/3 bits this way (4.1x smaller than 16) answered the sweep's
 # needles and facts as the full cache did and missed 2 of 44 needles of the whole grid; KIVI's unrotated groups
 # of 32 at 4/4 (3.2x) did no better.
 LOW_BITS_KEY_GROUP = 128

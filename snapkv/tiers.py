@@ -124,7 +124,7 @@ def keep_best(cache: CompressedCache, scores: list[torch.Tensor], cut: Cut, prot
 
 
 # What ranks the positions of a sharper share: a generic question and the document's tail, as the
-# pseudo-question tier does (measured on the embedded model, README "What is saved").
+# pseudo-question tier does (measured on the embedded model, docs/what-is-saved.md).
 SHARPENING = PseudoQuestion()
 
 

@@ -62,7 +62,7 @@ PrefillChunkOption = Annotated[Optional[int], typer.Option(
 CompileOption = Annotated[bool, typer.Option(
     "--compile/--no-compile",
     help="Decode with a compiled step (torch.compile; needs a C compiler on CPU); pays back only on long answers "
-         "(README, Measured).")]
+         "(docs/measurements.md).")]
 DeviceOption = Annotated[str, typer.Option(metavar="DEVICE", help="auto, cpu, cuda or cuda:N.")]
 DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]], typer.Option(
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "
