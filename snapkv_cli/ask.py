@@ -67,7 +67,7 @@ def ask(
     from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
 
-    from .consoles import done, inert, source_names, stderr_console, stdout_console, working
+    from .consoles import done, inert, source_names, stderr_console, stdout_console, warn, working
 
     settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
                              store_method, store_bits, prefill_chunk)
@@ -86,7 +86,7 @@ def ask(
         raise typer.Exit(code)
     if document is not None:
         for note in document.notes:
-            err.print("warning: " + inert(note), markup=False, soft_wrap=True)
+            warn(err, note)
         done(err, f"read {source_names([s.name for s in document.sources])} in {ingest_seconds:.2f} s")
 
     from snapkv.generation import Sampling

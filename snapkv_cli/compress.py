@@ -47,7 +47,7 @@ def compress(
     from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
 
-    from .consoles import inert, stderr_console, working
+    from .consoles import stderr_console, warn, working
 
     if output.suffix != SUFFIX:
         raise ConfigError(f"--output must end in {SUFFIX}, got {output}")
@@ -65,7 +65,7 @@ def compress(
         if from_file:
             read_metadata(source)
     for note in document.notes if document is not None else []:
-        err.print("warning: " + inert(note), markup=False, soft_wrap=True)
+        warn(err, note)
 
     from snapkv.session import Session  # torch and the model code, once the input is known to be good
 

@@ -52,6 +52,10 @@ def stdout_console() -> Console:
     return _Console(highlight=False, markup=False, emoji=False, width=_width(sys.stdout))
 
 
+def warn(err: Console, message: str) -> None:
+    err.print("warning: " + inert(message), markup=False, soft_wrap=True)  # not cut into lines: paths stay whole
+
+
 @contextmanager
 def working(err: Console, text: str):
     """A spinner saying what is being done, on a terminal; nothing elsewhere, where `done` says it instead. Yields

@@ -19,11 +19,7 @@ from snapkv.generation import Sampling
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
 from .consoles import (SCHEMA_VERSION, done, inert, source_names, stderr_console,  # noqa: F401 (re-exported)
-                       stdout_console, working)
-
-
-def warn(err: Console, message: str) -> None:
-    err.print("warning: " + inert(message), markup=False, soft_wrap=True)  # not cut into lines: paths stay whole
+                       stdout_console, warn, working)
 
 
 def pyplot():

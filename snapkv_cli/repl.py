@@ -188,7 +188,7 @@ def repl(
     from snapkv.cachemeta import read_metadata
     from snapkv.documents import read_sources
 
-    from .consoles import stderr_console, stdout_console
+    from .consoles import stderr_console, stdout_console, warn
 
     err, out = stderr_console(), stdout_console()
     settings = settings_from(budget, window, kernel, pooling, query_aware, False, store_budget, store_keep,
@@ -201,7 +201,7 @@ def repl(
             return load_file_with_status(err, session, spec, explicit)
         document = document or read_sources(spec, password)
         for note in document.notes:
-            err.print("warning: " + note, markup=False, soft_wrap=True)
+            warn(err, note)
         return prepare_with_progress(err, session, document)
 
     from_file = source.endswith(SUFFIX)

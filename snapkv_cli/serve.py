@@ -114,6 +114,15 @@ def _connect(timeout: float = 2.0) -> socket.socket | None:
     return connection
 
 
+def _listening() -> bool:
+    """Whether a server of this home answers on its socket (the probe connects and leaves)."""
+    probe = _connect()
+    if probe is None:
+        return False
+    probe.close()
+    return True
+
+
 def _terminals() -> list[str]:
     """Which of this process's output streams are terminals ("out", "err")."""
     found = []
@@ -212,17 +221,11 @@ def start_in_background(idle_seconds: float, model: Optional[str], device: str, 
     with open(home / "serve.log", "ab") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                    start_new_session=True)  # Ctrl-C in this terminal does not reach it
-    while True:
-        probe = _connect()
-        if probe is not None:
-            probe.close()
-            return True
+    while not _listening():
         if process.poll() is not None:
-            probe = _connect()  # exited because another server took the home: that one answers
-            if probe is not None:
-                probe.close()
-            return probe is not None
+            return _listening()  # exited because another server took the home: that one answers
         time.sleep(0.1)
+    return True
 
 
 def _server_pid() -> int | None:
@@ -540,22 +543,19 @@ def serve(
     if stop:
         print("stopped the snapkv server" if stop_server() else "no snapkv server is running")
         return
-    connection = _connect()
+    running = _listening()
     if status:
-        print(f"a snapkv server is running on {path}" if connection else "no snapkv server is running")
-        if connection:
-            connection.close()
+        print(f"a snapkv server is running on {path}" if running else "no snapkv server is running")
+        if running:
             return
         raise typer.Exit(SERVER_STATE_EXIT)
-    if connection is not None:
-        connection.close()
+    if running:
         print(f"a snapkv server is already running on {path}; stop it with snapkv serve --stop", file=sys.stderr)
         raise typer.Exit(SERVER_STATE_EXIT)
     if detach and not _detach():
         for _ in range(600):  # the parent waits until the server listens, so that the next ask finds it
             time.sleep(0.1)
-            if (probe := _connect()) is not None:
-                probe.close()
+            if _listening():
                 print(f"snapkv server listening on {path} (idle timeout {idle_timeout:.0f} s); stop it with "
                       "snapkv serve --stop")
                 return
