@@ -1,17 +1,17 @@
-"""Decode ms/token of the decode engines on one prepared cache, side by side in one run:
+"""Decode ms/token of snapkv's engines (snapkv.engines) on one prepared cache, side by side in one run:
 
-- concat:   the model's own forward, each token appended by concatenation (a copy of the whole cache per token);
-- presized: the model's own forward, the cache copied once into a buffer with room for the answer, written in
+- concat:    the reference engine (the model's own forward), each token appended by concatenation (a copy of the
+  whole cache per token);
+- reference: the model's own forward, the cache copied once into a buffer with room for the answer, written in
   place (snapkv's choice except on CPU in 16 bits, where concatenation measured faster);
-- lean:     the cache as above, each token through snapkv.lean_decode's written-out step (plain Llama-family
+- torch:     the cache as above, each token through snapkv.lean_decode's written-out step (plain Llama-family
   models on CPU; the model's forward elsewhere), q/k/v and gate/up each read by one product where their
   4/8-bit blocks are fused (snapkv.block_weights);
-- unfused:  the lean step calling each projection on its own (only where blocks are fused);
-- native:   snapkv's default where the weights are blocks: the lean step's layers in one C call
-  (snapkv.native_decode); the lean step elsewhere;
-- narrow:   native with the block products in 8-float (AVX2) vectors, on a CPU with AVX-512 only (where
-  native uses 16-float vectors);
-- compiled: a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
+- unfused:   the torch engine calling each projection on its own (only where blocks are fused);
+- native:    snapkv's default where the weights are blocks: the layers in one C call (snapkv.native_decode), with
+  the C kernels' variant SNAPKV_KERNELS=auto chooses; then one row per other variant this CPU runs
+  (`native avx2`, `native generic`: snapkv.native);
+- compiled:  a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
 token against concat's (greedy). The engines take turns, --repeats rounds, medians reported.
@@ -19,6 +19,7 @@ token against concat's (greedy). The engines take turns, --repeats rounds, media
     .venv/bin/python benchmarks/decode_engines.py --tokens 7k --budget 1024
 """
 
+import os
 import statistics
 import time
 from contextlib import contextmanager, nullcontext
@@ -27,17 +28,29 @@ from decode_options import decode_parser
 
 
 @contextmanager
-def narrow_vectors():
-    """Within the block, the C kernels multiply with 8-float vectors even on a CPU with AVX-512."""
+def kernels_variant(variant: str):
+    """Within the block, the C kernels of `variant` (SNAPKV_KERNELS)."""
     from snapkv import native
 
-    library = native.kernels()
-    chosen = library.wide_vectors(-1)
-    library.wide_vectors(0)
+    before = os.environ.get(native.SETTING)
+    os.environ[native.SETTING] = variant
     try:
         yield
     finally:
-        library.wide_vectors(chosen)
+        os.environ.pop(native.SETTING) if before is None else os.environ.__setitem__(native.SETTING, before)
+
+
+@contextmanager
+def written_by_concatenation():
+    """Within the block, every cache layer appended by concatenation (never presized)."""
+    from snapkv import engines
+
+    chosen = engines.presize_pays
+    engines.presize_pays = lambda *_: False
+    try:
+        yield
+    finally:
+        engines.presize_pays = chosen
 
 
 @contextmanager
@@ -53,12 +66,6 @@ def projections_one_by_one(model):
             module.__dict__[FUSED] = fused
 
 
-def wide_vectors_in_use() -> bool:
-    from snapkv import native
-
-    return native.unavailable_reason() is None and bool(native.kernels().wide_vectors(-1))
-
-
 def main() -> None:
     parser = decode_parser(__doc__)
     parser.add_argument("--threads", type=int, default=2)
@@ -69,7 +76,9 @@ def main() -> None:
     import torch
 
     from snapkv.block_weights import FUSED
-    from snapkv.compiled import CompiledDecoder
+    from snapkv import native
+    from snapkv.compiled import decoder_for
+    from snapkv.engines import EngineUse
     from snapkv.config import SnapKVConfig
     from snapkv.documents import Document
     from snapkv.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
@@ -90,30 +99,31 @@ def main() -> None:
     for name, settings in (("full cache", None), (f"SnapKV {args.budget}", SnapKVConfig(budget=args.budget))):
         session = Session(loaded, settings)
         prepared = session.prepare(session.prompt(document, max_tokens=length))
-        decoder = CompiledDecoder(loaded.model)
-        engines = {"concat": dict(presized=False, lean=False), "presized": dict(presized=True, lean=False),
-                   "lean": dict(native=False), "unfused": dict(native=False), "native": dict(),
-                   "compiled": dict(decoder=decoder)}
+        decoder = decoder_for(loaded.model)
+        # row: (engine setting, what it runs within)
+        engines = {"concat": ("reference", written_by_concatenation), "reference": ("reference", nullcontext),
+                   "torch": ("torch", nullcontext), "unfused": ("torch", lambda: projections_one_by_one(loaded.model)),
+                   "native": ("native", nullcontext), "compiled": ("compiled", nullcontext)}
         if args.no_compiled:
             del engines["compiled"]
         if not any(FUSED in module.__dict__ for module in loaded.model.modules()):
             del engines["unfused"], engines["native"]
-        elif wide_vectors_in_use():
-            engines["narrow"] = dict()
+        elif native.unavailable_reason() is None:
+            for variant in native.runnable_variants()[1:]:
+                engines[f"native {variant}"] = ("native", lambda variant=variant: kernels_variant(variant))
         times = {engine: [] for engine in engines}
-        answers = {}
+        answers, ran = {}, {}
         for round_ in range(args.repeats + 1):  # round 0 warms up (and compiles)
-            for engine, options in engines.items():
-                tokens, first_at = [], None
-                context = {"unfused": lambda: projections_one_by_one(loaded.model), "narrow": narrow_vectors}
-                with context.get(engine, nullcontext)():
+            for engine, (setting, within) in engines.items():
+                tokens, first_at, used = [], None, EngineUse()
+                with within():
                     for token in answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
-                                        max_new_tokens=args.decode_tokens, **options):
+                                        max_new_tokens=args.decode_tokens, engine=setting, used=used):
                         tokens.append(token)
                         if first_at is None:
                             first_at = time.perf_counter()
                     ended = time.perf_counter()
-                answers[engine] = tokens
+                answers[engine], ran[engine] = tokens, used
                 if round_:
                     times[engine].append(1000 * (ended - first_at) / (len(tokens) - 1))
         kv_bytes = prepared.decoded_kv_bytes(question.shape[0])
@@ -123,7 +133,8 @@ def main() -> None:
         for engine in engines:
             median = statistics.median(times[engine])
             same = "same answer" if answers[engine] == answers["concat"] else "DIFFERENT answer"
-            print(f"  {engine:<9} {median:7.1f} ms/token  ({median / floor:.1f}x the floor; {same})")
+            what = f"{ran[engine].name}" + (f", {ran[engine].kernels} kernels" if ran[engine].kernels else "")
+            print(f"  {engine:<15} {median:7.1f} ms/token  ({median / floor:.1f}x the floor; {same}; ran: {what})")
         if "compiled" in engines:
             print(f"  compile: {decoder.compile_seconds:.1f} s" + (f"; failed: {decoder.failure}" if decoder.failure else ""))
 

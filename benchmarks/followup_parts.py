@@ -2,12 +2,12 @@
 
 One document is prefilled once and saved with the default stored bits; then, taking turns for --rounds rounds:
 - restore: load_cache with snapkv's C dequantizer (snapkv/kernels/dequantize.c) and with PyTorch's ops
-  (SNAPKV_NATIVE_KERNELS=0 for that call);
+  (SNAPKV_KERNELS=off for that call);
 - question pass + first token, over the cache loaded as `ask` loads it (with room for the question) unless said:
     C attention, into the room: the question's attention by snapkv/kernels/few_rows.c over a deferred cache, each
         layer restored into one buffer and the question written into its room (snapkv.deferred): what snapkv does;
     C attention, appended: the same over a cache restored whole at load (each layer copied to append the question);
-    matmuls, into the room: PyTorch's matmuls for the attention (SNAPKV_NATIVE_KERNELS=0 for the pass);
+    matmuls, into the room: PyTorch's matmuls for the attention (SNAPKV_KERNELS=off for the pass);
     scored from scratch: SnapKV's scores computed again from the window's queries, not taken from the pass.
 Medians are printed, with each one's ratio to the first, and whether every way found the needle.
 
@@ -39,11 +39,11 @@ from snapkv.sizes import parse_size
 @contextmanager
 def kernels_off(off: bool):
     if off:
-        os.environ[native.DISABLE] = "0"
+        os.environ[native.SETTING] = "off"
     try:
         yield
     finally:
-        os.environ.pop(native.DISABLE, None)
+        os.environ.pop(native.SETTING, None)
 
 
 def timed_restore(path: Path, identity: dict, dtype: torch.dtype, native_kernels: bool) -> float:

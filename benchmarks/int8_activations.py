@@ -111,7 +111,7 @@ def compare_answers(int8_kernels: ctypes.CDLL, args) -> None:
             block_weights.blockwise_matmul = exact_product if label == "exact" else rounded
             try:
                 tokens = list(answer(loaded.model, prepared.cache, question, per_question=prepared.per_question,
-                                     max_new_tokens=12, stop_ids=loaded.stop_ids, native=False))
+                                     max_new_tokens=12, stop_ids=loaded.stop_ids, engine="torch"))
             finally:
                 block_weights.blockwise_matmul = exact_product
             texts[label] = loaded.tokenizer.decode(tokens)

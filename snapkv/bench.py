@@ -44,6 +44,7 @@ class BenchRow:
     exact_estimate_seconds: float = 0.0  # the estimate of an exact prefill at this length (snapkv.bench.PrefillRate)
     estimated: bool = False     # not run: the exact prefill would take too long or not fit; prefill_seconds is
                                 # its estimate, the other measurements 0
+    engine: dict = field(default_factory=dict)  # what answered (snapkv.engines.EngineUse.as_json)
 
     @property
     def above_floor(self) -> float:
@@ -108,6 +109,7 @@ def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResul
         floor_ms_per_token=floor_ms_per_token(result.weight_bytes, answers[0].kv_bytes, result.read_bandwidth),
         prefill_chunk=(settings.prefill_chunk if settings is not None and settings.prefill_chunk
                        and prepared.tokens > settings.prefill_chunk else None),
+        engine=answers[-1].engine.as_json(),
     )
 
 

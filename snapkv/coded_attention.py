@@ -41,7 +41,8 @@ def _parts(stored_keys, stored_values) -> list[tuple[Quantized, Quantized]] | No
 
 def _readable(parts: list[tuple[Quantized, Quantized]], head_dim: int) -> bool:
     """Whether coded_attention.c reads these parts (its conditions, checked here so that it never refuses)."""
-    if head_dim % 64 or head_dim > 256 or len({values.scheme.rotated for _, values in parts}) != 1:
+    if (head_dim % 64 or head_dim > native.limit("snapkv_max_attention_head_dim")
+            or len({values.scheme.rotated for _, values in parts}) != 1):
         return False
     for keys, values in parts:
         key_scheme, value_scheme = keys.scheme, values.scheme

@@ -9,6 +9,7 @@ A SnapKVConfig says once which cut is made at prefill (`stored_tier`) and which 
 that later loads it is set to.
 """
 
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Literal
 
@@ -286,3 +287,29 @@ def stored_bits_of(settings: SnapKVConfig | None) -> Bits:
 
 def per_question_of(settings: SnapKVConfig | None) -> Cut | None:
     return settings.per_question if settings is not None else None
+
+
+# ---- how answers run (snapkv.engines) and which C kernels (snapkv.native): read from the environment ----
+
+ENGINE_SETTING = "SNAPKV_ENGINE"
+ENGINE_CHOICES = ("auto", "native", "torch", "compiled", "reference")
+
+
+def engine_setting(value: str | None = None) -> str:
+    """The engine asked for: `value`, else SNAPKV_ENGINE, else auto; ConfigError for a name it does not take."""
+    chosen = (value if value is not None else os.environ.get(ENGINE_SETTING, "")).strip().lower() or "auto"
+    if chosen not in ENGINE_CHOICES:
+        raise ConfigError(f"the engine is one of {', '.join(ENGINE_CHOICES)}, not {chosen!r} "
+                          f"(--engine or {ENGINE_SETTING})")
+    return chosen
+
+
+def check_runtime_settings() -> None:
+    """SNAPKV_ENGINE and SNAPKV_KERNELS, checked before a command loads anything: ConfigError for a bad value."""
+    from . import native
+
+    engine_setting()
+    try:
+        native.setting()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

@@ -5,22 +5,19 @@ The engine knows token ids only; callers decode and print.
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 
-from . import lean_decode, native_decode
+from . import native
 from .architectures import attention_layers
 from .cache import CompressedCache
 from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import Cut, Tier
 from .deferred import release_buffers
-from .presized import presize, presize_pays
-
-if TYPE_CHECKING:
-    from .compiled import CompiledDecoder
+from .engines import EngineUse, engine_order
 
 
 @dataclass(frozen=True)
@@ -184,10 +181,8 @@ def answer(
     max_new_tokens: int = 128,
     stop_ids: frozenset[int] = frozenset(),
     sampling: Sampling = Sampling(),
-    presized: bool | None = None,
-    decoder: "CompiledDecoder | None" = None,
-    lean: bool | None = None,
-    native: bool | None = None,
+    engine: str = "auto",
+    used: EngineUse | None = None,
 ) -> Iterator[int]:
     """Yield the answer's token ids, one at a time (stop tokens are not yielded).
 
@@ -195,21 +190,11 @@ def answer(
     original_length.. so that RoPE continues where the prompt ended, however much was dropped.
     per_question: query-aware mode: the question is the observation window and the stored tier is
     cut to this budget before decoding. None: decode against the cache as it is.
+    engine: which engine runs the question pass and the steps (snapkv.engines: auto, native, torch, compiled,
+    reference), each falling back to the next in its order where it does not apply; `used` is filled with what ran.
 
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
-    presized: once the first token is out (it comes from the question pass), each layer's cache is copied once
-    into a buffer with room for the answer and every token written in place (snapkv.presized); None where
-    that pays (presize_pays: not when decoding by snapkv's CPU matmul attention); False appends by concatenation, as
-    transformers' DynamicCache does (a copy of the whole cache per token), kept to measure against.
-    decoder: decode with its compiled step over a static copy of the cache where the cache qualifies
-    (snapkv.compiled); the eager step otherwise, or if compiling fails.
-    lean: the question's pass and the eager step as snapkv.lean_decode writes them out (None: where the model
-    qualifies, a plain Llama-family model on CPU), or False: the model's own forward, to measure against.
-    native: the lean step's layers in one C call, the question pass's parts around each attention in C
-    (snapkv.native_decode; None: where the model's projections are 4/8-bit blocks in fp32 and, for decoding, the cache
-    is presized), and each layer of a deferred cache attended and cut from its codes (snapkv.coded_attention, where it
-    applies); or False: the lean step and pass as written in PyTorch, every layer restored.
     """
     device = model_device(model)
     q = question_ids.shape[0]
@@ -217,21 +202,21 @@ def answer(
     plan = None
     if per_question is not None and cache.kept_tokens > per_question.prefix_keep:
         plan = CompressionPlan(per_question, window=q)
+    engines = engine_order(engine)
+    used = used if used is not None else EngineUse()
+    used.kernels = native.variant()
     working = cache.to_dynamic_cache(model.config, into_room=True)
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    if lean is not False and lean_decode.qualifies(model, working):
-        layers = native_decode.question_layers(model) if native is not False else None
-        logits = lean_decode.question_pass(model, question_ids.to(device), start, working, plan, layers,
-                                           from_codes=native is not False)
-    else:
-        positions = torch.arange(start, start + q, device=device).unsqueeze(0)  # (1, q)
-        with compressing(model, plan) if plan else nullcontext():
-            logits = run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
+    for candidate in engines:
+        logits = candidate.question_pass(model, question_ids, start, working, plan)
+        if logits is not None:
+            used.question = candidate.name
+            break
     release_buffers(working)
-    static = stepper = None
-    write_in_place = lean_step = False
+    steppers = iter(engines)
+    stepper = None
     for step in range(max_new_tokens):
         token = _pick_token(logits, sampling, generator)
         if token in stop_ids:
@@ -239,35 +224,15 @@ def answer(
         yield token
         if step + 1 == max_new_tokens:
             return
-        if step == 0:  # the cache made ready for decoding after the first token is out, not before
-            write_in_place = presized if presized is not None else presize_pays(model, working)
-            if decoder is not None and decoder.qualifies(working):
-                static = decoder.static_copy(working, max_new_tokens - 1)
-            elif write_in_place:
-                presize(working, max_new_tokens - 1)
-            lean_step = lean is not False and static is None and lean_decode.qualifies(model, working)
-            if lean_step and native is not False:
-                stepper = native_decode.for_cache(model, working, start + q, max_new_tokens - 1)
         position = start + q + step
-        if static is not None:
-            compiled_logits = decoder.step(token, position, static)
-            if compiled_logits is not None:
-                logits = compiled_logits
-                working = None  # the static copy holds everything now: one cache in memory, not two
+        while True:  # the first engine in the order that steps here (made ready after the first token is out)
+            if stepper is None:
+                candidate = next(steppers)
+                stepper = candidate.stepper(model, working, position, max_new_tokens - 1 - step)
+                used.steps = candidate.name if stepper is not None else used.steps
                 continue
-            static = None  # compiling failed before anything was written: go on eagerly
-            if write_in_place:
-                presize(working, max_new_tokens - 1 - step)
-        if stepper is not None:
-            native_logits = stepper.step(token, position)
-            if native_logits is not None:
-                logits = native_logits
-                continue
-            stepper.sync()  # a buffer is full (never expected: sized for the answer): the lean step grows it
+            logits = stepper.step(token, position)
+            if logits is not None:
+                break
+            stepper.hand_over()
             stepper = None
-        if lean_step:
-            logits = lean_decode.decode_step(model, token, position, working)
-            continue
-        logits = run_forward(
-            model, torch.tensor([[token]], device=device), working, torch.tensor([[position]], device=device)
-        )

@@ -28,28 +28,11 @@ from .presized import PresizedLayer
 ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
 
 
-class _BlockMatrix(ctypes.Structure):
-    _fields_ = [("bits", ctypes.c_int64), ("codes", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("minimum", ctypes.c_void_p), ("outputs", ctypes.c_int64), ("inputs", ctypes.c_int64)]
-
-
-class _DecoderLayer(ctypes.Structure):
-    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv", _BlockMatrix),
-                ("o", _BlockMatrix), ("gate_up", _BlockMatrix), ("down", _BlockMatrix), ("keys", ctypes.c_void_p),
-                ("values", ctypes.c_void_p), ("capacity", ctypes.c_int64), ("filled", ctypes.c_int64)]
-
-
-class _DecoderShape(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
-                ("head_dim", ctypes.c_int64), ("intermediate", ctypes.c_int64), ("norm_eps", ctypes.c_float),
-                ("scaling", ctypes.c_float)]
-
-
-def _matrix(blocks: Blocks) -> _BlockMatrix:
+def _matrix(blocks: Blocks) -> native.BlockMatrix:
     """The C view of `blocks`, its shape as its scales give it (decode_token checks it against the model's)."""
     minimum = blocks.minimum.data_ptr() if blocks.minimum is not None else None
     outputs, block_count = blocks.scale.shape
-    return _BlockMatrix(blocks.bits, blocks.codes.data_ptr(), blocks.scale.data_ptr(), minimum, outputs,
+    return native.BlockMatrix(blocks.bits, blocks.codes.data_ptr(), blocks.scale.data_ptr(), minimum, outputs,
                         block_count * 32)
 
 
@@ -72,10 +55,10 @@ def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
 class NativeDecoder:
     """decode_token over one answer's presized cache; build with for_cache."""
 
-    def __init__(self, model, cache, layers: list[_DecoderLayer], shape: _DecoderShape,
+    def __init__(self, model, cache, layers: list[native.DecoderLayer], shape: native.DecoderShape,
                  cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
         self._model, self._cache = model, cache
-        self._layers = (_DecoderLayer * len(layers))(*layers)
+        self._layers = (native.DecoderLayer * len(layers))(*layers)
         self._shape = shape
         self._cos, self._sin = cos, sin  # (positions, head_dim) from first_position on
         self._first_position = first_position
@@ -121,7 +104,7 @@ def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def _model_layers(model) -> tuple[_DecoderShape, list[_DecoderLayer]] | None:
+def _model_layers(model) -> tuple[native.DecoderShape, list[native.DecoderLayer]] | None:
     """The C view of every decoder layer (norms and blocks; no cache buffers yet) and the model's shape, or None where
     the layers are not ones the C code takes (embeddings not fp32, projections not fused 4/8-bit blocks without
     biases, norms of other dtypes or epsilons, a head size not a multiple of 8). The callers check the rest
@@ -148,9 +131,9 @@ def _model_layers(model) -> tuple[_DecoderShape, list[_DecoderLayer]] | None:
                 or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
                 or norms[1].variance_epsilon != norms[0].variance_epsilon):
             return None
-        layers.append(_DecoderLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+        layers.append(native.DecoderLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
                                     _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down)))
-    shape = _DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
+    shape = native.DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
                           decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
     return shape, layers
 
@@ -183,7 +166,7 @@ class QuestionLayers:
     products, RoPE and the SiLU as decode_token computes them), for snapkv.lean_decode.question_pass; build with
     question_layers. The attention, the cache write and the cut stay the pass's own."""
 
-    def __init__(self, shape: _DecoderShape, layers: list[_DecoderLayer]) -> None:
+    def __init__(self, shape: native.DecoderShape, layers: list[native.DecoderLayer]) -> None:
         self._shape = shape
         self._layers = layers
 

@@ -25,11 +25,11 @@ from .config import Cut, SnapKVConfig, Tier, Truncation, mode_of, per_question_o
 from .config import stored_bits_of, stored_tier_of
 from .documents import Document, stale_sources
 from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
+from .engines import EngineUse, engine_setting
 from .generation import Sampling, answer
 from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory, wait_for_device
 from .models import LoadedModel
 from .store import CacheStore, cache_key
-from .compiled import CompiledDecoder, decoder_for
 from .streaming import TextStream
 from .tiers import build_tier, derive_tier
 
@@ -124,6 +124,7 @@ class AnswerResult:
     kv_bytes: int = 0     # the KV decoded against
     finish_reason: str = "stop"  # "stop" (an end-of-turn token), "length" (the token limit or the context's
                                  # end) or "interrupted" (Ctrl-C, or the reader went away)
+    engine: EngineUse = field(default_factory=EngineUse)  # what ran the question pass and the steps
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -142,7 +143,7 @@ class AnswerStream:
 
     def __init__(self, loaded: LoadedModel, prepared: PreparedDocument, question: str, ids: torch.Tensor,
                  max_new_tokens: int, sampling: Sampling, stop_ids: frozenset[int], measure: bool,
-                 decoder: CompiledDecoder | None = None) -> None:
+                 engine: str = "auto") -> None:
         self._loaded = loaded
         self._prepared = prepared
         self.question = question
@@ -151,7 +152,7 @@ class AnswerStream:
         self._sampling = sampling
         self._stop_ids = stop_ids
         self._measure = measure
-        self._decoder = decoder
+        self._engine = engine
         self.result: AnswerResult | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -162,13 +163,14 @@ class AnswerStream:
         pieces: list[str] = []
         finish = "interrupted"  # unless the loop ends by itself
         memory = PeakMemory(loaded.device, release=self._measure)
+        used = EngineUse()
         started = time.perf_counter()
         try:
             with memory:
                 started = time.perf_counter()  # after PeakMemory has handed memory back, when measuring
                 for token in answer(loaded.model, prepared.cache, self._ids, per_question=prepared.per_question,
                                     max_new_tokens=self._max_new_tokens, stop_ids=self._stop_ids,
-                                    sampling=self._sampling, decoder=self._decoder):
+                                    sampling=self._sampling, engine=self._engine, used=used):
                     if first_token_at is None:
                         if self._measure:
                             wait_for_device(loaded.device)
@@ -189,7 +191,7 @@ class AnswerStream:
                 question=self.question, text="".join(pieces), new_tokens=len(text.tokens),
                 ttft_seconds=first_token_at - started, decode_seconds=ended - first_token_at,
                 peak_bytes=memory.peak,
-                kv_bytes=prepared.decoded_kv_bytes(self._ids.shape[0]), finish_reason=finish,
+                kv_bytes=prepared.decoded_kv_bytes(self._ids.shape[0]), finish_reason=finish, engine=used,
             )
 
 
@@ -202,13 +204,13 @@ class Session:
               removed); None refuses it.
     allow_extrapolation: let prompts and answers run past the model's context (speed and memory
               measurements only: the answers are then not meaningful).
-    compile:  decode with a compiled step (snapkv.compiled) where the cache qualifies; the first answer over
-              a new cache size pays the compile.
+    engine:   which engine answers (snapkv.engines: auto, native, torch, compiled, reference; None: SNAPKV_ENGINE,
+              else auto); compiled's first answer over a new cache size pays the compile.
     """
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
                  store: CacheStore | None = None, verify: bool = True, truncate: str | None = None,
-                 allow_extrapolation: bool = False, compile: bool = False, system: str | None = None) -> None:
+                 allow_extrapolation: bool = False, engine: str | None = None, system: str | None = None) -> None:
         """system: the system message documents are prompted with (None: snapkv.prompting.DEFAULT_SYSTEM; "": the
         chat template's own); it is part of the context ids, so of the cache key."""
         if truncate not in (None, *TRUNCATE_SIDES):
@@ -220,7 +222,7 @@ class Session:
         self.verify = verify
         self.truncate = truncate
         self.context_limit = 0 if allow_extrapolation else loaded.context_length  # 0: no limit
-        self.decoder = decoder_for(loaded.model) if compile else None
+        self.engine = engine_setting(engine)
 
     # ------------------------------------------------------------------------------------ documents in
 
@@ -397,4 +399,4 @@ class Session:
             max_new_tokens = min(max_new_tokens, room)
         stop_ids = loaded.stop_ids if stop_at_end else frozenset()
         return AnswerStream(loaded, prepared, question, ids, max_new_tokens, sampling, stop_ids, measure,
-                            self.decoder)
+                            self.engine)

@@ -7,10 +7,13 @@ import traceback
 
 import typer
 
+from snapkv.config import check_runtime_settings
 from snapkv.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
 
 from . import ask, bench, cache, compress, evaluate, info, logs, models, repl, serve
 from .usage import PlainCommand
+
+MODEL_COMMANDS = ("ask", "compress", "repl", "serve", "bench", "eval")  # the commands that run a model
 
 EXIT_CODE_HELP = "Exit codes: " + "; ".join(f"{code} {meaning}" for code, meaning in EXIT_CODES.items()) + "."
 
@@ -151,6 +154,11 @@ def run(argv: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # snapkv never downloads: models come from disk
     _debug["on"] = os.environ.get("SNAPKV_DEBUG", "") not in ("", "0")
     argv = _stdin_as_source(list(argv))
+    if argv and argv[0] in MODEL_COMMANDS:  # a bad SNAPKV_ENGINE or SNAPKV_KERNELS is said before anything loads
+        try:
+            check_runtime_settings()
+        except SnapKVError as error:
+            return _fail(str(error), error.exit_code)
     if _runs_on_server(argv) and (code := serve.run_remotely(list(argv))) is not None:
         return code
     serve.COMMAND_LINE.set(list(argv))  # the first ask hands it to the server it starts

@@ -10,7 +10,7 @@ import typer
 from snapkv.config import DEFAULTS
 from snapkv.paths import CACHE_SUFFIX
 
-from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
+from .options import (BudgetOption, EngineOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption,
                       QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
                       StoreMethodOption, SystemOption, TruncateOption, WindowOption, explicit_settings, settings_from)
@@ -31,7 +31,7 @@ def ask(
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
     prefill_chunk: PrefillChunkOption = None,
-    compile: CompileOption = False,
+    engine: EngineOption = None,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_compress: NoCompressOption = False,
     no_store: bool = typer.Option(False, "--no-store",
@@ -99,7 +99,7 @@ def ask(
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate, compile=compile, system=system)
+                      truncate=truncate, engine=engine, system=system)
     if from_file:
         prepared = load_file_with_status(err, session, source, explicit_settings(ctx))
     else:

@@ -59,10 +59,11 @@ PrefillChunkOption = Annotated[Optional[int], typer.Option(
     parser=size("--prefill-chunk"), metavar="SIZE",
     help="Prefill in chunks of SIZE tokens, cut back after each: memory bounded, time linear in length, fewer "
          "facts found than the exact prefill (README).")]
-CompileOption = Annotated[bool, typer.Option(
-    "--compile/--no-compile",
-    help="Decode with a compiled step (torch.compile; needs a C compiler on CPU); pays back only on long answers "
-         "(docs/measurements.md).")]
+EngineOption = Annotated[Optional[Literal["auto", "native", "torch", "compiled", "reference"]], typer.Option(
+    "--engine", envvar="SNAPKV_ENGINE",
+    help="What runs the model: auto (default: the fastest that applies), native (C kernels), torch (PyTorch ops), "
+         "compiled (torch.compile'd steps; pays back only on long answers) or reference (the model's own forward). "
+         "--json tells which ran.")]
 DeviceOption = Annotated[str, typer.Option(metavar="DEVICE", help="auto, cpu, cuda or cuda:N.")]
 DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]], typer.Option(
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "

@@ -159,9 +159,12 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
         "schema_version": SCHEMA_VERSION,
         "answers": [
             {"question": a.question, "answer": a.text, "new_tokens": a.new_tokens, "finish_reason": a.finish_reason,
-             "ttft_seconds": round(a.ttft_seconds, 4), "decode_tokens_per_second": round(a.decode_tokens_per_second, 2)}
+             "ttft_seconds": round(a.ttft_seconds, 4), "decode_tokens_per_second": round(a.decode_tokens_per_second, 2),
+             "engine": a.engine.as_json()}
             for a in answers
         ],
+        # what ran the last answer: the engine of its steps (snapkv.engines) and the C kernels' variant
+        "engine": answers[-1].engine.as_json() if answers else None,
         "document": {"tokens": prepared.tokens, "truncated_tokens": truncation.tokens if truncation else 0,
                      "sources": [asdict(s) for s in prepared.document.sources]},
         "compression": {
@@ -229,6 +232,10 @@ def stats_table(data: dict) -> Table:
         table.add_row("answer", f"first token {answer['ttft_seconds']:.2f} s, "
                                 f"{answer['decode_tokens_per_second']:.1f} tokens/s, {answer['new_tokens']} tokens"
                                 f"{ended.get(answer['finish_reason'], '')}")
+    if data.get("engine"):
+        engine = data["engine"]
+        kernels = f", {engine['kernels']} kernels" if engine["kernels"] else ", no C kernels"
+        table.add_row("engine", f"{engine['name']}{kernels}")
     memory = data["memory"]
     if memory["device"].startswith("cuda"):
         phases = f"prefill {_mib(memory['prefill_peak_bytes'])}, " if not cache["hit"] else ""

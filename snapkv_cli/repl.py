@@ -13,7 +13,7 @@ from snapkv.config import DEFAULTS
 from snapkv.errors import SnapKVError
 from snapkv.paths import CACHE_SUFFIX as SUFFIX
 
-from .options import (BudgetOption, CompileOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
+from .options import (BudgetOption, EngineOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, PasswordOption, PoolingOption, PrefillChunkOption,
                       QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
                       StoreMethodOption, SystemOption, TruncateOption, WindowOption, explicit_settings, settings_from)
@@ -161,7 +161,7 @@ def repl(
     store_method: StoreMethodOption = DEFAULTS.store_method,
     store_bits: StoreBitsOption = DEFAULTS.store_bits,
     prefill_chunk: PrefillChunkOption = None,
-    compile: CompileOption = False,
+    engine: EngineOption = None,
     store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_store: bool = typer.Option(False, "--no-store", help="Neither look up nor save the document's cache."),
     skip_digest: SkipDigestOption = False,
@@ -220,7 +220,7 @@ def repl(
 
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
     session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
-                      truncate=truncate, compile=compile, system=system)
+                      truncate=truncate, engine=engine, system=system)
     prepared = open_source(source, explicit_settings(ctx) if from_file else frozenset(), document)
     state = _State(prepared, prepared.per_question or settings.cut,
                    Sampling(temperature=temperature, top_p=top_p, seed=seed), max_new_tokens)

@@ -44,7 +44,7 @@ IN_SERVER = False  # True in the server process: its commands run there, never f
 # The command line being run (set by snapkv_cli.app.run): what the first `ask` hands to the server it starts.
 COMMAND_LINE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("snapkv_command_line", default=None)
 # Environment a command reads, passed from the client to the server for the request.
-FORWARDED_ENV = ("SNAPKV_MODEL", "SNAPKV_SYSTEM", "SNAPKV_DEBUG", "SNAPKV_PDF_TIMEOUT", "SNAPKV_PDF_MEMORY_MB", "SNAPKV_NOLOG",
+FORWARDED_ENV = ("SNAPKV_MODEL", "SNAPKV_SYSTEM", "SNAPKV_ENGINE", "SNAPKV_KERNELS", "SNAPKV_DEBUG", "SNAPKV_PDF_TIMEOUT", "SNAPKV_PDF_MEMORY_MB", "SNAPKV_NOLOG",
                  "COLUMNS", "NO_COLOR")
 
 

@@ -209,17 +209,16 @@ def test_float_weights_and_unavailable_kernels_leave_the_model_as_it_was(monkeyp
     report = use_block_weights(model)
     assert report.packed == 0
     assert report.reason == (native.unavailable_reason() or "no linear layer's weights are exact 4/8-bit blocks")
-    monkeypatch.setenv(native.DISABLE, "0")
+    monkeypatch.setenv(native.SETTING, "off")
     snap_to_blocks(model)
     report = use_block_weights(model)
-    assert report.packed == 0 and f"{native.DISABLE}=0" in report.describe()
+    assert report.packed == 0 and f"{native.SETTING}=off" in report.describe()
     assert not any(isinstance(module, BlockLinear) for module in model.modules())
 
 
 def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setattr(native, "_cpu_supports_kernels", lambda: True)
     with pytest.raises(native.NativeUnavailable, match="C compiler"):
         native.kernels()
     assert "C compiler" in native.unavailable_reason()  # remembered: not tried again per call
@@ -228,7 +227,6 @@ def test_a_missing_compiler_is_a_reason_not_a_crash(monkeypatch, tmp_path):
 
 def test_a_compile_error_is_a_reason_and_leaves_nothing(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(native, "_cpu_supports_kernels", lambda: True)
     monkeypatch.setattr(native, "FLAGS", native.FLAGS + ("-DSNAPKV_BROKEN", "-include", "no_such_header.h"))
     with pytest.raises(native.NativeUnavailable, match="compiling"):
         native.kernels()

@@ -143,7 +143,7 @@ def _torch_and_native(monkeypatch, compute):
     if native.unavailable_reason() is not None:
         pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")
     with monkeypatch.context() as patch:
-        patch.setenv(native.DISABLE, "0")
+        patch.setenv(native.SETTING, "off")
         by_torch = compute()
     return by_torch, compute()
 

@@ -286,14 +286,18 @@ def test_sampling_is_reproducible_with_a_seed():
 
 
 @pytest.mark.parametrize("per_question", [None, Cut(24, 8)])
-def test_presized_decoding_answers_token_for_token_as_concatenation(tiny_model, per_question):
+def test_presized_decoding_answers_token_for_token_as_concatenation(tiny_model, per_question, monkeypatch):
     """The cache written in place (snapkv.presized) gives the same greedy answer as appending by concatenation,
     on every architecture, the full cache and a per-question cut alike; the stored cache is left unchanged."""
+    from snapkv import engines
+
     cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 5), None)
     before = [keys.clone() for keys in cache.keys]
     question = random_ids(6, 6)
-    answers = {presized: list(answer(tiny_model, cache, question, per_question=per_question, max_new_tokens=24,
-                                     presized=presized)) for presized in (True, False)}
+    answers = {}
+    for presized in (True, False):
+        monkeypatch.setattr(engines, "presize_pays", lambda *_: presized)
+        answers[presized] = list(answer(tiny_model, cache, question, per_question=per_question, max_new_tokens=24))
     assert len(answers[True]) == 24 and answers[True] == answers[False]
     assert len(set(answers[True])) > 3  # an answer that says something, not one token repeated
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys))
@@ -384,24 +388,24 @@ def test_a_restoring_layer_writes_into_the_room_or_concatenates_and_copies_out_w
 def test_compiled_decoding_answers_token_for_token_as_eager():
     """torch.compile'd steps over a static copy of the cache (snapkv.compiled) give the greedy answer of the eager
     engine, for the full cache and a per-question cut; a second answer of the same room compiles nothing."""
-    from snapkv.compiled import CompiledDecoder
+    from snapkv.compiled import decoder_for
 
     model = build_tiny("llama-gqa")
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
     question = random_ids(6, 6)
-    decoder = CompiledDecoder(model)
+    decoder = decoder_for(model)
     for per_question in (None, Cut(24, 8)):
         eager = list(answer(model, cache, question, per_question=per_question, max_new_tokens=16))
-        compiled = list(answer(model, cache, question, per_question=per_question, max_new_tokens=16, decoder=decoder))
+        compiled = list(answer(model, cache, question, per_question=per_question, max_new_tokens=16, engine="compiled"))
         assert decoder.failure is None and compiled == eager and len(set(eager)) > 3
     compiled_once = decoder.compile_seconds
     assert compiled_once > 0
-    list(answer(model, cache, question, per_question=Cut(24, 8), max_new_tokens=16, decoder=decoder))
+    list(answer(model, cache, question, per_question=Cut(24, 8), max_new_tokens=16, engine="compiled"))
     assert decoder.compile_seconds == compiled_once
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_step(monkeypatch):
-    from snapkv.compiled import CompiledDecoder
+    from snapkv.compiled import decoder_for
 
     def broken_compile(function, **options):
         def fails(*args):
@@ -412,9 +416,9 @@ def test_a_compiler_failure_falls_back_to_the_eager_step(monkeypatch):
     model = build_tiny("qwen2")
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
     question = random_ids(6, 6)
-    decoder = CompiledDecoder(model)
+    decoder = decoder_for(model)
     eager = list(answer(model, cache, question, max_new_tokens=12))
-    assert list(answer(model, cache, question, max_new_tokens=12, decoder=decoder)) == eager
+    assert list(answer(model, cache, question, max_new_tokens=12, engine="compiled")) == eager
     assert decoder.failure == "RuntimeError: no C compiler found"
     assert not decoder.qualifies(cache.to_dynamic_cache(model.config))  # given up for good
 
@@ -555,7 +559,7 @@ def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_h
             with monkeypatch.context() as patch:
                 patch.setattr(cpu_attention, "_attend_by_matmuls", lambda *a: calls.append(1) or by_matmuls(*a))
                 if turned_off:
-                    patch.setenv(native.DISABLE, "0")
+                    patch.setenv(native.SETTING, "off")
                 found, _ = cpu_attention.attention_forward(module, query, key, value, mask, scaling=head_dim**-0.5)
                 captured = module.__dict__.pop(cpu_attention.CAPTURED)
             assert calls == ([] if natively and not turned_off else [1])
@@ -659,7 +663,7 @@ def test_lean_decode_step_is_the_models_forward_to_the_bit(name, dtype, monkeypa
     real_step = lean_decode.decode_step
     monkeypatch.setattr(lean_decode, "decode_step", lambda *a: steps.append(1) or real_step(*a))
     for cut in (None, Cut(24, 8)):
-        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=12, lean=False))
+        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=12, engine="reference"))
         steps.clear()
         assert list(answer(model, cache, question, per_question=cut, max_new_tokens=12)) == tokens
         assert len(steps) == len(tokens) - 1  # every token after the first (which the question pass gives)
@@ -681,7 +685,7 @@ def test_a_questions_rope_in_c_is_transformers_to_the_bit(rows, heads, head_dim,
     found = _with_rope(projected, cos, sin, head_dim)
     assert found.shape == (1, heads, rows, head_dim) and found.is_contiguous() == (native.unavailable_reason() is None)
     assert torch.equal(found, expected)
-    monkeypatch.setenv(native.DISABLE, "0")
+    monkeypatch.setenv(native.SETTING, "off")
     assert torch.equal(_with_rope(projected, cos, sin, head_dim), expected)
 
 
@@ -693,7 +697,7 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
     """snapkv.lean_decode.question_pass: a question over a cache (restored into the room of a deferred one, or a
     plain copy), each layer cut as snapkv.compress's hook cuts it: the same logits, the same kept positions and the
     same cached keys and values, bit for bit, as the model's forward under compressing(); with SnapKV's scores from
-    the attention kernel's window sums in fp32. answer() takes it (and gives the same tokens) unless lean=False."""
+    the attention kernel's window sums in fp32. answer() takes it (and gives the same tokens) unless the engine is reference."""
     from snapkv import cpu_attention, lean_decode
     from snapkv.cachefile import load_cache, save_cache
     from snapkv.generation import run_forward
@@ -733,7 +737,7 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
     real_pass = lean_decode.question_pass
     monkeypatch.setattr(lean_decode, "question_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
     for cut in (None, Cut(24, 8)):
-        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8, lean=False))
+        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8, engine="reference"))
         assert not passes
         assert list(answer(model, cache, question, per_question=cut, max_new_tokens=8)) == tokens and passes
         passes.clear()

@@ -87,7 +87,7 @@ def test_answers_use_the_native_step_and_are_the_lean_steps_token_for_token(tied
     real_step = native_decode.NativeDecoder.step
     monkeypatch.setattr(native_decode.NativeDecoder, "step", lambda *a: steps.append(1) or real_step(*a))
     for cut in (None, Cut(64, 8)):
-        expected = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=24, native=False))
+        expected = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=24, engine="torch"))
         assert not steps
         found = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=24))
         assert found == expected
@@ -139,7 +139,7 @@ def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch)
     assert native_decode.for_cache(model, cache, PROMPT, 4) is None
     _, working = after_question(model, room=4)
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is not None
-    monkeypatch.setenv(native.DISABLE, "0")
+    monkeypatch.setenv(native.SETTING, "off")
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is None
 
 
@@ -149,7 +149,7 @@ def test_native_question_layers_are_the_lean_pass_within_rounding(heads, monkeyp
     """A question's pass with each layer's parts around its attention in C (native_decode.QuestionLayers: norms,
     fused products, RoPE, SiLU) against the same pass in PyTorch's ops: logits and the cached keys and values within
     fp32 rounding, the same positions kept by the cut; answer() takes the C parts by default, and its tokens are
-    those of native=False."""
+    those of the torch engine."""
     from snapkv.compress import CompressionPlan
 
     model = on_blocks(**heads)
@@ -178,4 +178,4 @@ def test_native_question_layers_are_the_lean_pass_within_rounding(heads, monkeyp
         calls.clear()
         tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8))
         assert len(calls) == len(model.model.layers)
-        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=8, native=False)) == tokens
+        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=8, engine="torch")) == tokens

@@ -99,10 +99,10 @@ def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch
             heads, tokens, head_dim = x.shape
             rows = torch.full((heads * tokens, head_dim), float("nan"))
             assert quantize_module._dequantize_natively(quantized, rows, None)  # the kernel takes it
-            monkeypatch.setenv(native.DISABLE, "0")
+            monkeypatch.setenv(native.SETTING, "off")
             assert not quantize_module._dequantize_natively(quantized, rows, None)
             reference = dequantize(quantized)  # PyTorch's ops
-            monkeypatch.delenv(native.DISABLE)
+            monkeypatch.delenv(native.SETTING)
             found = dequantize(quantized)
             assert torch.equal(rows.view(x.shape), found)
             if rotated:
@@ -111,9 +111,9 @@ def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch
                 assert torch.equal(found, reference)
             assert torch.equal(dequantize(quantized, torch.bfloat16), found.bfloat16())  # rounded as PyTorch rounds
     mixed = quantize_mixed(cases[0][0], sharp, Scheme(8, TOKENS, 32), Scheme(bits, CHANNELS, 64, rotated))
-    monkeypatch.setenv(native.DISABLE, "0")
+    monkeypatch.setenv(native.SETTING, "off")
     reference = dequantize(mixed)
-    monkeypatch.delenv(native.DISABLE)
+    monkeypatch.delenv(native.SETTING)
     if rotated:
         assert torch.allclose(dequantize(mixed), reference, rtol=0, atol=1e-6 * float(reference.abs().max()))
     else:
@@ -336,7 +336,7 @@ def test_a_quantized_file_loads_straight_into_bf16(tiny_loaded, tmp_path, monkey
     path = session.prepare(DOCUMENT).path
     in_fp32, _ = load_cache(path, dtype=torch.float32)
     in_bf16, _ = load_cache(path, dtype=torch.bfloat16)
-    monkeypatch.setenv(native.DISABLE, "0")
+    monkeypatch.setenv(native.SETTING, "off")
     by_pytorch, _ = load_cache(path, dtype=torch.bfloat16)
     for fp32, bf16, reference in zip(in_fp32.keys + in_fp32.values, in_bf16.keys + in_bf16.values,
                                      by_pytorch.keys + by_pytorch.values):
@@ -467,7 +467,7 @@ def test_masks_and_part_rows_read_the_same_in_c_as_in_numpy_and_torch(monkeypatc
     for off in (True, False):
         with monkeypatch.context() as patch:
             if off:
-                patch.setenv(native.DISABLE, "0")
+                patch.setenv(native.SETTING, "off")
             with pytest.raises(ValueError, match="different"):
                 _unpack_mask(uneven, 203)
             mixed._destinations.clear()

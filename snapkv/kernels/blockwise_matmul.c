@@ -8,33 +8,32 @@
  *
  * The block's products are summed in fp32 and scaled once per block; the minimum's share is
  * minimum * (sum of the block's x), with the x sums taken once per call. Output rows are spread over
- * `threads` OpenMP threads. Needs AVX2 and FMA (the caller checks the CPU). One row (a decoded token) on a CPU
- * with AVX-512 is multiplied with 16-float vectors (compiled for it function by function, chosen at run time;
- * wide_vectors() turns it off to compare), and each output prefetches the codes and scales of the output
+ * `threads` OpenMP threads. One row (a decoded token) on a CPU with AVX-512 is multiplied with 16-float vectors
+ * (compiled for it function by function, chosen at run time; wide_vectors() turns it off to compare), and each output prefetches the codes and scales of the output
  * AHEAD rows on: the weights are read once per token, so they come from memory, and the prefetch keeps
  * those reads going while the block arithmetic runs. */
-#include <immintrin.h>
+#include "vectors.h"
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define BLOCK 32
-#define MAX_ROWS 64
+#define MAX_ROWS SNAPKV_MAX_ROWS
 #define AHEAD 8  /* outputs ahead whose weights one row's products prefetch */
 
-static int wide_chosen = -1;  /* -1: not yet decided; else whether one row uses the AVX-512 functions */
+/* Whether the 16-lane functions are used: by default where they are the CPU's own (the avx512 variant, which
+ * snapkv.native loads only where the CPU has AVX-512 F, BW, VL and DQ); in the others, where they are plain C
+ * (vectors.h), only on request (tests compare them with the 8-lane ones) and by what exists only 16 lanes wide
+ * (coded_attention.c). */
+#define WIDE_BY_DEFAULT (!SNAPKV_WIDE_EMULATED)
+static int wide_chosen = -1;  /* -1: not yet decided */
 
-static int cpu_has_wide_vectors(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-           && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-}
-
-/* Whether one row is multiplied with AVX-512: request 1 (where the CPU has it) or 0 to choose, -1 to ask.
- * Returns the choice in force after the call. */
+/* request 1 or 0 to choose, -1 to ask; returns the choice in force after the call. */
 int wide_vectors(int request) {
-    if (request >= 0) wide_chosen = request && cpu_has_wide_vectors();
-    else if (wide_chosen < 0) wide_chosen = cpu_has_wide_vectors();
+    if (request >= 0) wide_chosen = request != 0;
+    else if (wide_chosen < 0) wide_chosen = WIDE_BY_DEFAULT;
     return wide_chosen;
 }
 

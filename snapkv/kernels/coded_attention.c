@@ -25,12 +25,13 @@
  *
  * Layout of a part's codes: (kv_heads, other, groups, group * bits / 8) uint8, scale and minimum (kv_heads, other,
  * groups) fp16; keys: other = head_dim, groups along the part's tokens; values: other = tokens, groups along the
- * channels. Needs AVX-512 (wide_vectors); head_dim a multiple of 64 up to MAX_HEAD_DIM; groups multiples of 16 (a
+ * channels. Needs the 16-lane functions (AVX-512, or their plain C in the other variants: vectors.h); head_dim a multiple of 64 up to MAX_HEAD_DIM; groups multiples of 16 (a
  * value group dividing head_dim); bits 2, 3, 4 or 8. */
 #include "hadamard.h"
+#include "kernels.h"
 #include "tiles.h"
 
-#define MAX_PARTS 2
+#define MAX_PARTS SNAPKV_MAX_PARTS
 
 typedef struct {
     const uint8_t *codes;
@@ -304,18 +305,6 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
     return 0;
 }
 
-/* window_cut.c's and dequantize.c's steps, called in turn below */
-int window_scores(const float *weights, int64_t kv_heads, int64_t group, int64_t window, int64_t columns,
-                  int64_t head_stride, int64_t group_stride, int64_t row_stride, int kernel, int pooling,
-                  float *scores, int threads);
-int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t keep, int64_t window,
-                  int64_t *indices, int threads);
-void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns);
-int dequantize_positions(const void *const *part_pointers, const int64_t *part_shapes, int parts,
-                         const int64_t *column_of, int64_t heads, int64_t stored, int64_t head_dim,
-                         const int64_t *positions, int64_t kept, const float *question_rows, int64_t question,
-                         float *out, int threads);
-
 /* rows (count, head_dim) copied to `to`, each block of `block` channels times the orthonormal Hadamard matrix. */
 static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int64_t block, float *to) {
     const float norm = (float)(1.0 / sqrt((double)block));
@@ -340,7 +329,7 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
                          const float *question_values, const uint8_t *sharp, int kernel, int pooling,
                          int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
                          float *keys_out, float *values_out, int threads) {
-    if (!wide_vectors(-1) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
+    if (!(wide_vectors(-1) || SNAPKV_WIDE_EMULATED) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
         || window < 1 || window > question || prefix_keep < 0 || head_dim > MAX_HEAD_DIM
         || (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)))
         return -1;

@@ -17,42 +17,15 @@
  * Cache buffers: (kv_heads, capacity, head_dim) fp32 per layer, rows [0, filled) held. When any layer is full
  * nothing is written and -2 is returned (the caller grows the buffers); -1, also before anything is written, for
  * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
- * OpenMP threads inside each product and the attention. Needs AVX2 and FMA; head_dim a multiple of 8. */
-#include <immintrin.h>
+ * OpenMP threads inside each product and the attention. head_dim a multiple of 8. */
+#include "vectors.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
-
-typedef struct {
-    int64_t bits;          /* 4 or 8 */
-    const void *codes;     /* as snapkv/kernels/blockwise_matmul.c reads them */
-    const float *scale;
-    const float *minimum;  /* 4-bit only */
-    int64_t outputs, inputs;
-} block_matrix;
-
-typedef struct {
-    const float *input_norm, *post_norm;  /* (hidden) */
-    block_matrix qkv, o, gate_up, down;
-    float *keys, *values;                 /* (kv_heads, capacity, head_dim) */
-    int64_t capacity, filled;
-} decoder_layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, intermediate;
-    float norm_eps, scaling;
-} decoder_shape;
-
-int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
-                const float *minimum, int64_t n, float *y, int threads);
-int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
-                float *y, int threads);
-
-int linear_rows_blocks(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes, const float *scale,
-                       const float *minimum, int64_t n, float *y, int threads);
 
 /* y (m->outputs) = x (m->inputs) @ W^T for one row: the block kernel (snapkv/kernels/blockwise_matmul.c). */
 static int product(const block_matrix *m, const float *x, float *y, int threads) {

@@ -14,13 +14,14 @@
  * Output row (h, t) goes to row destination[h * tokens + t] of `out` (head_dim values per row), or to row
  * h * tokens + t when destination is NULL; `out` holds fp32, or bf16 rounded to nearest even as PyTorch
  * rounds fp32 (OUT_BF16). Rows are spread over `threads` OpenMP threads. */
-#include <immintrin.h>
+#include "vectors.h"
 #include <stdint.h>
 #include <string.h>
 
 #include "hadamard.h"
+#include "kernels.h"
 
-#define MAX_HEAD_DIM 1024
+#define MAX_HEAD_DIM SNAPKV_MAX_STORED_HEAD_DIM
 #define OUT_FP32 0
 #define OUT_BF16 1
 

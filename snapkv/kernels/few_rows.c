@@ -22,15 +22,16 @@
  *   linear_rows_blocks the same with W as 4-bit or 8-bit blocks, decoded to its exact fp32 values a tile at a time.
  *
  * Work is spread over `threads` OpenMP threads (tiles of the long side; for attention then rows for the softmax
- * and row blocks for the values). Needs AVX2 and FMA; head_dim a multiple of 16, at most MAX_HEAD_DIM; k a
+ * and row blocks for the values). head_dim a multiple of 16, at most MAX_HEAD_DIM; k a
  * multiple of 8. On a CPU with AVX-512 (wide_vectors(), snapkv/kernels/blockwise_matmul.c) the register tile
  * holds each row's 16 columns in one vector: the same sums in the same order, in half the instructions. */
-#include <immintrin.h>
+#include "vectors.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "tiles.h"
 
 #define VALUE_RUN 256  /* tokens of values (64 KB at head_dim 64) that every row block of a group takes in turn */

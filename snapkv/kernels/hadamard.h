@@ -5,7 +5,7 @@
 #ifndef SNAPKV_HADAMARD_H
 #define SNAPKV_HADAMARD_H
 
-#include <immintrin.h>
+#include "vectors.h"
 #include <stdint.h>
 
 #include "simd.h"

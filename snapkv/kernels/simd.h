@@ -1,15 +1,22 @@
-/* SIMD helpers shared by snapkv's C kernels (AVX2 and FMA): a transpose, lane reductions, exp and a softmax row. */
+/* SIMD helpers shared by snapkv's C kernels (written in AVX2 and FMA intrinsics; vectors.h says what they are in each
+ * variant): a transpose, lane reductions, exp and a softmax row. */
 #ifndef SNAPKV_SIMD_H
 #define SNAPKV_SIMD_H
 
-#include <immintrin.h>
+#include "kernels.h"
+#include "vectors.h"
 #include <math.h>
 #include <stdint.h>
 
-/* Functions compiled for AVX-512, called only where wide_vectors(-1) (snapkv/kernels/blockwise_matmul.c) says
- * the CPU has it. */
+/* The 16-lane functions: compiled for AVX-512 in the avx512 variant, called only where wide_vectors(-1)
+ * (snapkv/kernels/blockwise_matmul.c) says the CPU has it; plain C in the others (vectors.h). */
+#if SNAPKV_WIDE_EMULATED
+#define WIDE
+#elif defined(__clang__) && __clang_major__ >= 18  /* clang 18 splits the 512-bit registers out as evex512 */
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,evex512")))
+#else
 #define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-int wide_vectors(int request);
+#endif
 
 /* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
 static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {

@@ -5,18 +5,19 @@
 #ifndef SNAPKV_TILES_H
 #define SNAPKV_TILES_H
 
-#include <immintrin.h>
+#include "vectors.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
 #include "simd.h"
 
 #define ROW_BLOCK 6
 #define KEY_TILE 16
 #define WIDE_TILE 64  /* columns of the AVX-512 register tile: ROW_BLOCK rows x 4 vectors of 16 */
-#define MAX_HEAD_DIM 256
+#define MAX_HEAD_DIM SNAPKV_MAX_ATTENTION_HEAD_DIM
 
 /* tile (depth, KEY_TILE), rows `tile_stride` floats apart = the `count` rows of `long_rows` (each `depth` floats)
  * transposed, zero past count. */

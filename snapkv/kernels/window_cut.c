@@ -18,6 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define POOL_MAX 1
 #define POOL_AVG 0
 
