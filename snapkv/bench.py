@@ -116,7 +116,8 @@ def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResul
 def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, settings: SnapKVConfig = DEFAULTS,
               decode_tokens: int = 32, repeats: int = 3, allow_extrapolation: bool = False,
               random_weights: bool = False, followup: bool = True, filler: str | None = None,
-              on_row=None, max_prefill_seconds: float = 600.0, prefill_chunk: int = 4096) -> BenchResult:
+              on_row=None, max_prefill_seconds: float = 600.0, prefill_chunk: int = 4096,
+              engine: str | None = None) -> BenchResult:
     """For each length: the full cache and SnapKV (`settings` at each budget), in this one process.
 
     Each method is prefilled once; then the answers (first token and decode) are timed `repeats` times,
@@ -144,9 +145,10 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
     if too_long:
         result.notes.append(f"lengths past the model's {context} tokens: needle_found is not meaningful there")
     chunked = replace(settings, prefill_chunk=prefill_chunk)
-    sessions = [Session(loaded, None, allow_extrapolation=True)] + [
-        Session(loaded, replace(settings, budget=budget), allow_extrapolation=True) for budget in budgets]
-    chunked_sessions = [Session(loaded, replace(chunked, budget=budget), allow_extrapolation=True)
+    sessions = [Session(loaded, None, allow_extrapolation=True, engine=engine)] + [
+        Session(loaded, replace(settings, budget=budget), allow_extrapolation=True, engine=engine)
+        for budget in budgets]
+    chunked_sessions = [Session(loaded, replace(chunked, budget=budget), allow_extrapolation=True, engine=engine)
                         for budget in budgets]
     warm_up = Document(build_haystack(loaded.tokenizer, filler, 256, 0.5, NEEDLE_NUMBER).text)
     sessions[0].prepare(sessions[0].prompt(warm_up, max_tokens=min(256, min(lengths))))

@@ -9,7 +9,7 @@ query and output rows), scores the positions from the window's softmax sums as S
 head), picks the best, and restores only those (the same bits as the whole layer's restore). Its output and scores
 agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same positions kept).
 
-Taken where everything fits (lean_decode.question_pass asked for it: answer() unless native=False): fp32 on a CPU
+Taken where everything fits (lean_decode.question_pass asked for it: the native engine's, snapkv.engines): fp32 on a CPU
 with AVX-512 and snapkv's kernels; SnapKV's method; a layer the plan cuts, stored below 16 bits as one part or as a
 sharper share whose keys and values share their sharper positions; keys grouped along tokens and values along
 channels, in groups of a multiple of 16; every value part rotated alike; head_dim a multiple of 64 (up to 256).

@@ -5,9 +5,8 @@ import importlib.util
 import os
 import shutil
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 from .errors import ModelNotFoundError, SnapKVError
 from .paths import models_dir
@@ -32,6 +31,9 @@ def embedded_gguf_path() -> Path:
     return path
 
 
+CONVERSION_STEPS = 4  # reported by convert_gguf: tokenizer, weights dequantized, plain model, saved
+
+
 def _gguf_conversion_dir(gguf: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -43,34 +45,12 @@ def is_converted(gguf: Path) -> bool:
     return (_gguf_conversion_dir(gguf) / "config.json").is_file()
 
 
-@contextmanager
-def _reporting_tensors(on_progress: Callable[[int, int], None] | None) -> Iterator[None]:
-    """transformers dequantizes a GGUF file tensor by tensor under a third-party progress bar; within the
-    block that loop reports to on_progress(done, total) instead, and shows nothing itself."""
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-
-    original = getattr(gguf_utils, "tqdm", None)
-
-    def report(iterable, *args, **kwargs):
-        items = list(iterable)
-        for done, item in enumerate(items):
-            if on_progress:
-                on_progress(done, len(items) + 1)
-            yield item
-
-    if original is not None:
-        gguf_utils.tqdm = report
-    try:
-        yield
-    finally:
-        if original is not None:
-            gguf_utils.tqdm = original
-
-
 def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
     """Dequantize a GGUF file once into a safetensors folder in the snapkv home; later loads are fast.
 
-    on_progress: called with (steps done, steps in all) as the tensors are read (the last step: saving).
+    on_progress: called with (steps done, steps in all) as the conversion's CONVERSION_STEPS go by (the tokenizer,
+    the weights dequantized, a plain model made of them, saved): transformers' own progress is not read (no
+    private names), so the steps are coarse; the longest is the second.
     The folder is written under a temporary name and renamed when complete, so an interrupted
     conversion never leaves a half-written model behind.
     """
@@ -84,21 +64,24 @@ def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = No
     transformers_logging.disable_progress_bar()  # its loading and saving bars: ours is shown instead
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    report = on_progress or (lambda done, total: None)
     try:
+        report(0, CONVERSION_STEPS)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        with _reporting_tensors(on_progress):
-            quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                             local_files_only=True)
+        report(1, CONVERSION_STEPS)
+        quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                                         local_files_only=True)
+        report(2, CONVERSION_STEPS)
         # The weights are dequantized already; a plain model of the same config saves them as safetensors.
         config = quantized.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.load_state_dict(quantized.state_dict())
+        report(3, CONVERSION_STEPS)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        if on_progress:
-            on_progress(1, 1)
+        report(CONVERSION_STEPS, CONVERSION_STEPS)
         try:
             os.replace(staging, target)
         except OSError:

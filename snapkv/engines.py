@@ -76,6 +76,22 @@ class Engine:
         return None
 
 
+def model_device(model) -> torch.device:
+    """Where token ids enter the model (the first device of several with a device_map)."""
+    return model.get_input_embeddings().weight.device
+
+
+@torch.inference_mode()
+def run_forward(
+    model, input_ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One forward that appends input_ids (1, s) to `cache`; returns the last position's logits (vocab,)."""
+    output = model(
+        input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
+    )
+    return output.logits[0, -1]
+
+
 def _ready_in_place(model, working: DynamicCache, steps: int) -> None:
     """Each layer copied once into a buffer with room for the answer, where writing in place pays
     (snapkv.presized); done once, whichever engine asks first."""
@@ -91,8 +107,6 @@ class _ForwardSteps(Stepper):
         self._device = working.layers[0].keys.device if working.layers else torch.device("cpu")
 
     def step(self, token: int, position: int) -> torch.Tensor:
-        from .generation import run_forward
-
         return run_forward(self._model, torch.tensor([[token]], device=self._device), self._working,
                            torch.tensor([[position]], device=self._device))
 
@@ -101,8 +115,6 @@ class Reference(Engine):
     name = "reference"
 
     def question_pass(self, model, question_ids, start, working, plan):
-        from .generation import model_device, run_forward
-
         device = model_device(model)
         positions = torch.arange(start, start + question_ids.shape[0], device=device).unsqueeze(0)  # (1, q)
         with compressing(model, plan) if plan else nullcontext():

@@ -17,7 +17,7 @@ from .chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from .compress import CompressionPlan, compressing
 from .config import Cut, Tier
 from .deferred import release_buffers
-from .engines import EngineUse, engine_order
+from .engines import EngineUse, engine_order, model_device, run_forward  # run_forward: the model's own forward
 
 
 @dataclass(frozen=True)
@@ -27,22 +27,6 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
-
-
-def model_device(model) -> torch.device:
-    """Where token ids enter the model (the first device of several with a device_map)."""
-    return model.get_input_embeddings().weight.device
-
-
-@torch.inference_mode()
-def run_forward(
-    model, input_ids: torch.Tensor, cache: DynamicCache, position_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One forward that appends input_ids (1, s) to `cache`; returns the last position's logits (vocab,)."""
-    output = model(
-        input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=True, logits_to_keep=1
-    )
-    return output.logits[0, -1]
 
 
 def _layer_positions(plan: CompressionPlan | None, layer_index: int, layer_length: int,

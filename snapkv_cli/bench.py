@@ -10,7 +10,8 @@ import typer
 from snapkv.config import DEFAULTS
 from snapkv.sizes import parse_sizes
 
-from .options import (BudgetsOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, LengthsOption,
+from .options import (BudgetsOption, DeviceMapOption, DeviceOption, DtypeOption, EngineOption, KernelOption,
+                      LengthsOption,
                       ModelOption, PoolingOption, QueryAwareOption, StoreBitsOption, StoreKeepOption,
                       StoreMethodOption, WindowOption, settings_from)
 
@@ -21,12 +22,12 @@ def _table(result):
     table = Table(title=f"{result.model} on {result.device}, {result.dtype}")
     kind = "CUDA peak" if result.device.startswith("cuda") else "RSS+"
     for column in ("length", "method", "budget", "prefill s (tier)", "TTFT s", "decode ms/tok", "floor ms (x)",
-                   "KV MiB", "stored MiB", f"prefill {kind} MiB", f"answer {kind} MiB", "needle"):
+                   "KV MiB", "stored MiB", f"prefill {kind} MiB", f"answer {kind} MiB", "needle", "engine"):
         table.add_column(column, justify="right")
     for row in result.rows:
         if row.estimated:
             table.add_row(str(row.length), row.method, "-", f"~{row.prefill_seconds:.0f} (estimate)",
-                          *["-"] * 8)
+                          *["-"] * 9)
             continue
         needle = "-" if row.needle_found is None else ("found" if row.needle_found else "missed")
         method = row.method + ("-qa" if row.query_aware else "") + (f" chunks {row.prefill_chunk}"
@@ -36,7 +37,8 @@ def _table(result):
                       f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}",
                       f"{row.floor_ms_per_token:.1f} ({row.above_floor:.1f}x)", f"{row.kv_bytes / 2**20:.1f}",
                       f"{row.stored_bytes / 2**20:.1f}", f"{row.peak_memory_bytes / 2**20:.0f}",
-                      f"{row.answer_peak_memory_bytes / 2**20:.0f}", needle)
+                      f"{row.answer_peak_memory_bytes / 2**20:.0f}", needle,
+                      "/".join(filter(None, (row.engine.get("name"), row.engine.get("kernels")))))
     return table
 
 
@@ -88,6 +90,7 @@ def bench(
     device: DeviceOption = "auto",
     device_map: DeviceMapOption = None,
     dtype: DtypeOption = "auto",
+    engine: EngineOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG of decode time and KV memory against length."),
     max_prefill_seconds: float = typer.Option(
@@ -120,7 +123,7 @@ def bench(
         result = run_bench(loaded, lengths, budgets, settings=settings, decode_tokens=decode_tokens,
                            repeats=repeats,
                            allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
-                           max_prefill_seconds=max_prefill_seconds, prefill_chunk=prefill_chunk,
+                           max_prefill_seconds=max_prefill_seconds, prefill_chunk=prefill_chunk, engine=engine,
                            on_row=lambda row: update(f"Measured {row.method} at {row.length} tokens..."))
     if plot is not None:
         _plot(result, plot)

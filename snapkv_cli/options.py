@@ -61,9 +61,7 @@ PrefillChunkOption = Annotated[Optional[int], typer.Option(
          "facts found than the exact prefill (README).")]
 EngineOption = Annotated[Optional[Literal["auto", "native", "torch", "compiled", "reference"]], typer.Option(
     "--engine", envvar="SNAPKV_ENGINE",
-    help="What runs the model: auto (default: the fastest that applies), native (C kernels), torch (PyTorch ops), "
-         "compiled (torch.compile'd steps; pays back only on long answers) or reference (the model's own forward). "
-         "--json tells which ran.")]
+    help="What runs the model; auto: the fastest that applies, reference: its own forward. --json says which ran.")]
 DeviceOption = Annotated[str, typer.Option(metavar="DEVICE", help="auto, cpu, cuda or cuda:N.")]
 DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0", "sequential"]], typer.Option(
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "
