@@ -22,12 +22,12 @@ def main() -> None:
 
     import torch
 
-    from snapkv.config import SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.models import load_model
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
-    from snapkv.sizes import parse_sizes
+    from snapkv.base.sizes import parse_sizes
 
     torch.set_num_threads(2)
     loaded = load_model()

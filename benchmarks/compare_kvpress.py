@@ -96,13 +96,13 @@ def kvzip_main(args) -> None:
 
     import torch
 
-    from snapkv.config import DEFAULTS, SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.evaluation import multi_fact_document
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.models import load_model, resolve_model_source
+    from snapkv.compression.config import DEFAULTS, SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.measure.evaluation import multi_fact_document
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.engine.models import load_model, resolve_model_source
     from snapkv.session import Session
-    from snapkv.sizes import parse_sizes
+    from snapkv.base.sizes import parse_sizes
 
     torch.set_num_threads(args.threads)
     loaded = load_model()
@@ -194,10 +194,10 @@ def main() -> None:
 
     import torch
 
-    from snapkv.config import SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.haystack import build_haystack, filler_text
-    from snapkv.models import load_model, resolve_model_source
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import build_haystack, filler_text
+    from snapkv.engine.models import load_model, resolve_model_source
     from snapkv.session import Session
 
     torch.set_num_threads(args.threads)

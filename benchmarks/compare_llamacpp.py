@@ -65,13 +65,13 @@ def main() -> None:
 
     import torch
 
-    from snapkv.bench import run_bench
-    from snapkv.conversion import embedded_gguf_path
-    from snapkv.documents import Document
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.models import load_model
+    from snapkv.measure.bench import run_bench
+    from snapkv.engine.conversion import embedded_gguf_path
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
-    from snapkv.sizes import parse_size
+    from snapkv.base.sizes import parse_size
 
     torch.set_num_threads(args.threads)
     length = parse_size(args.tokens, name="--tokens")

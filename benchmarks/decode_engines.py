@@ -1,17 +1,17 @@
-"""Decode ms/token of snapkv's engines (snapkv.engines) on one prepared cache, side by side in one run:
+"""Decode ms/token of snapkv's engines (snapkv.engine.engines) on one prepared cache, side by side in one run:
 
 - concat:    the reference engine (the model's own forward), each token appended by concatenation (a copy of the
   whole cache per token);
 - reference: the model's own forward, the cache copied once into a buffer with room for the answer, written in
   place (snapkv's choice except on CPU in 16 bits, where concatenation measured faster);
-- torch:     the cache as above, each token through snapkv.lean_decode's written-out step (plain Llama-family
+- torch:     the cache as above, each token through snapkv.engine.lean_decode's written-out step (plain Llama-family
   models on CPU; the model's forward elsewhere), q/k/v and gate/up each read by one product where their
-  4/8-bit blocks are fused (snapkv.block_weights);
+  4/8-bit blocks are fused (snapkv.modeling.block_weights);
 - unfused:   the torch engine calling each projection on its own (only where blocks are fused);
-- native:    snapkv's default where the weights are blocks: the layers in one C call (snapkv.native_decode), with
+- native:    snapkv's default where the weights are blocks: the layers in one C call (snapkv.engine.native_decode), with
   the C kernels' variant SNAPKV_KERNELS=auto chooses; then one row per other variant this CPU runs
   (`native avx2`, `native generic`: snapkv.native);
-- compiled:  a torch.compile'd step over a static copy of the cache (snapkv.compiled), its compile time apart.
+- compiled:  a torch.compile'd step over a static copy of the cache (snapkv.engine.compiled), its compile time apart.
 
 For the full cache and SnapKV (--budget, query-aware) at --tokens; each engine's answer is checked token for
 token against concat's (greedy). The engines take turns, --repeats rounds, medians reported.
@@ -43,7 +43,7 @@ def kernels_variant(variant: str):
 @contextmanager
 def written_by_concatenation():
     """Within the block, every cache layer appended by concatenation (never presized)."""
-    from snapkv import engines
+    from snapkv.engine import engines
 
     chosen = engines.presize_pays
     engines.presize_pays = lambda *_: False
@@ -56,7 +56,7 @@ def written_by_concatenation():
 @contextmanager
 def projections_one_by_one(model):
     """Within the block, the lean step calls q/k/v and gate/up one by one (their fused blocks set aside)."""
-    from snapkv.block_weights import FUSED
+    from snapkv.modeling.block_weights import FUSED
 
     set_aside = {module: module.__dict__.pop(FUSED) for module in model.modules() if FUSED in module.__dict__}
     try:
@@ -75,18 +75,18 @@ def main() -> None:
 
     import torch
 
-    from snapkv.block_weights import FUSED
+    from snapkv.modeling.block_weights import FUSED
     from snapkv import native
-    from snapkv.compiled import decoder_for
-    from snapkv.engines import EngineUse
-    from snapkv.config import SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
-    from snapkv.generation import answer
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.models import load_model
+    from snapkv.engine.compiled import decoder_for
+    from snapkv.engine.engines import EngineUse
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.measure.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
+    from snapkv.engine.generation import answer
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
-    from snapkv.sizes import parse_size
+    from snapkv.base.sizes import parse_size
 
     torch.set_num_threads(args.threads)
     length = parse_size(args.tokens, name="--tokens")

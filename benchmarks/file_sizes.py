@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 
-from snapkv.config import DEFAULTS
-from snapkv.documents import Document
-from snapkv.haystack import build_haystack, filler_text
-from snapkv.models import load_model
+from snapkv.compression.config import DEFAULTS
+from snapkv.io.documents import Document
+from snapkv.io.haystack import build_haystack, filler_text
+from snapkv.engine.models import load_model
 from snapkv.session import Session
-from snapkv.sizes import parse_sizes
+from snapkv.base.sizes import parse_sizes
 
 HALF = replace(DEFAULTS, store_keep=0.5, store_bits=4)
 TIERS = {

@@ -31,9 +31,9 @@ def worker(path: str) -> None:
 
     import torch
 
-    from snapkv import bench
-    from snapkv.config import DEFAULTS
-    from snapkv.models import load_model
+    from snapkv.measure import bench
+    from snapkv.compression.config import DEFAULTS
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
 
     torch.set_num_threads(2)
@@ -54,13 +54,13 @@ def saved_cache(tokens: str, folder: str) -> str:
 
     import torch
 
-    from snapkv.bench import NEEDLE_NUMBER
-    from snapkv.config import DEFAULTS
-    from snapkv.documents import Document
-    from snapkv.haystack import build_haystack, filler_text
-    from snapkv.models import load_model
+    from snapkv.measure.bench import NEEDLE_NUMBER
+    from snapkv.compression.config import DEFAULTS
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import build_haystack, filler_text
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
-    from snapkv.sizes import parse_size
+    from snapkv.base.sizes import parse_size
 
     torch.set_num_threads(2)
     loaded = load_model()

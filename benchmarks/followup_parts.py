@@ -1,11 +1,11 @@
 """Where a follow-up question's time goes, each part with and without a change, side by side.
 
 One document is prefilled once and saved with the default stored bits; then, taking turns for --rounds rounds:
-- restore: load_cache with snapkv's C dequantizer (snapkv/kernels/dequantize.c) and with PyTorch's ops
+- restore: load_cache with snapkv's C dequantizer (snapkv/native/kernels/dequantize.c) and with PyTorch's ops
   (SNAPKV_KERNELS=off for that call);
 - question pass + first token, over the cache loaded as `ask` loads it (with room for the question) unless said:
-    C attention, into the room: the question's attention by snapkv/kernels/few_rows.c over a deferred cache, each
-        layer restored into one buffer and the question written into its room (snapkv.deferred): what snapkv does;
+    C attention, into the room: the question's attention by snapkv/native/kernels/few_rows.c over a deferred cache, each
+        layer restored into one buffer and the question written into its room (snapkv.storage.deferred): what snapkv does;
     C attention, appended: the same over a cache restored whole at load (each layer copied to append the question);
     matmuls, into the room: PyTorch's matmuls for the attention (SNAPKV_KERNELS=off for the pass);
     scored from scratch: SnapKV's scores computed again from the window's queries, not taken from the pass.
@@ -25,15 +25,16 @@ from pathlib import Path
 
 import torch
 
-from snapkv import compress, native
-from snapkv.bench import NEEDLE_NUMBER
-from snapkv.cachefile import load_cache
-from snapkv.config import DEFAULTS
-from snapkv.documents import Document
-from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-from snapkv.models import load_model
+from snapkv.compression import compress
+from snapkv import native
+from snapkv.measure.bench import NEEDLE_NUMBER
+from snapkv.storage.cachefile import load_cache
+from snapkv.compression.config import DEFAULTS
+from snapkv.io.documents import Document
+from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+from snapkv.engine.models import load_model
 from snapkv.session import Session
-from snapkv.sizes import parse_size
+from snapkv.base.sizes import parse_size
 
 
 @contextmanager

@@ -52,8 +52,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=7000)
     args = parser.parse_args()
-    from snapkv.haystack import build_haystack, filler_text
-    from snapkv.models import load_model, resolve_model_source
+    from snapkv.io.haystack import build_haystack, filler_text
+    from snapkv.engine.models import load_model, resolve_model_source
 
     model = Path(resolve_model_source(None)[1])  # converts the embedded model once, if it was not yet
     tokenizer = load_model().tokenizer

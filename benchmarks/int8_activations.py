@@ -1,6 +1,6 @@
 """One decoded row times the embedded model's 4/8-bit blocks, two ways, side by side in one run:
 
-- exact: snapkv's kernel (snapkv/kernels/blockwise_matmul.c): each weight rebuilt in fp32 from its block,
+- exact: snapkv's kernel (snapkv/native/kernels/blockwise_matmul.c): each weight rebuilt in fp32 from its block,
          products summed in fp32; what snapkv decodes with;
 - int8:  a candidate (benchmarks/kernels/int8_activations.c): the row rounded to 8 bits per block of 32, then
          integer products (maddubs), as llama.cpp multiplies Q4_1 / Q8_0 matrices on a CPU. Fewer instructions
@@ -61,8 +61,8 @@ def best_microseconds(product, repeats: int, loops: int) -> float:
 
 
 def rounded_products(int8_kernels: ctypes.CDLL, threads: int):
-    """A stand-in for snapkv.block_weights.blockwise_matmul: one row by the candidate, more rows as before."""
-    from snapkv import block_weights
+    """A stand-in for snapkv.modeling.block_weights.blockwise_matmul: one row by the candidate, more rows as before."""
+    from snapkv.modeling import block_weights
 
     exact = block_weights.blockwise_matmul
 
@@ -85,14 +85,14 @@ def rounded_products(int8_kernels: ctypes.CDLL, threads: int):
 
 
 def compare_answers(int8_kernels: ctypes.CDLL, args) -> None:
-    from snapkv import block_weights
-    from snapkv.config import SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.generation import answer
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.models import load_model
+    from snapkv.modeling import block_weights
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.engine.generation import answer
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
-    from snapkv.sizes import parse_size
+    from snapkv.base.sizes import parse_size
 
     loaded = load_model()
     print(f"{loaded.name}, {str(loaded.dtype).replace('torch.', '')}; {loaded.weights}")

@@ -31,13 +31,13 @@ def main() -> None:
 
     import torch
 
-    from snapkv.config import SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.errors import OutOfMemoryError
-    from snapkv.memory import check_prefill_fits, is_out_of_memory, release_device_memory
-    from snapkv.models import random_weights_model
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.base.errors import OutOfMemoryError
+    from snapkv.engine.memory import check_prefill_fits, is_out_of_memory, release_device_memory
+    from snapkv.engine.models import random_weights_model
     from snapkv.session import Prompt, Session
-    from snapkv.sizes import parse_sizes
+    from snapkv.base.sizes import parse_sizes
 
     loaded = random_weights_model(args.random_weights, device=args.device, tokenizer=args.tokenizer)
     settings = SnapKVConfig(budget=args.budget, query_aware=False)

@@ -17,10 +17,10 @@ from pathlib import Path
 def measure(method: str, args: argparse.Namespace, results) -> None:
     import torch
 
-    from snapkv.config import SnapKVConfig
-    from snapkv.documents import Document
-    from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.models import load_model
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
 
     torch.set_num_threads(args.threads)

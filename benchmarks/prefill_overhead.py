@@ -8,10 +8,10 @@ import statistics
 
 import torch
 
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document
-from snapkv.haystack import build_haystack, filler_text
-from snapkv.models import load_model
+from snapkv.compression.config import SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.io.haystack import build_haystack, filler_text
+from snapkv.engine.models import load_model
 from snapkv.session import Session
 
 

@@ -17,15 +17,15 @@ from dataclasses import replace
 
 import torch
 
-from snapkv.bits import Bits
-from snapkv.config import DEFAULTS
-from snapkv.documents import Document
-from snapkv.evaluation import multi_fact_document
-from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-from snapkv.models import load_model
+from snapkv.base.bits import Bits
+from snapkv.compression.config import DEFAULTS
+from snapkv.io.documents import Document
+from snapkv.measure.evaluation import multi_fact_document
+from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+from snapkv.engine.models import load_model
 from snapkv.session import Session
-from snapkv.sizes import parse_sizes
-from snapkv.tiers import at_stored_precision
+from snapkv.base.sizes import parse_sizes
+from snapkv.engine.tiers import at_stored_precision
 
 
 def rounded(loaded, prepared, settings: list[Bits]) -> dict:

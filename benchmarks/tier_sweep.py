@@ -4,7 +4,7 @@ Every setting answers with query-aware SnapKV at --budget; they differ in what i
 or a share of it chosen by a method (reconstruction, snapkv's document window, pseudo-question, key-norm),
 in 16, 8, 4 or 2 bits. Per document the full cache is prefilled once and the tiers are derived from it
 (each method scores it once), so a sweep costs about one prefill per document plus the scoring. All of it
-goes through snapkv.evaluation (and so Session), as `snapkv eval` does.
+goes through snapkv.measure.evaluation (and so Session), as `snapkv eval` does.
 
     .venv/bin/python benchmarks/tier_sweep.py --lengths 2k,4k,7k --depths 10,30,50,70,90 --json sweep.json
 """
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from snapkv.config import DEFAULTS
-from snapkv.evaluation import EvalSetting, many_questions, needle_grid
-from snapkv.methods import PSEUDO_QUESTIONS, PseudoQuestion
-from snapkv.models import load_model
-from snapkv.sizes import parse_sizes
+from snapkv.compression.config import DEFAULTS
+from snapkv.measure.evaluation import EvalSetting, many_questions, needle_grid
+from snapkv.compression.methods import PSEUDO_QUESTIONS, PseudoQuestion
+from snapkv.engine.models import load_model
+from snapkv.base.sizes import parse_sizes
 
 # named variants of a method with settings of its own, for --tiers
 VARIANTS = {

@@ -2,7 +2,7 @@
 
 - float:  the weights as loaded (fp32 on a CPU without bf16 units; 4 bytes per weight read per token);
 - blocks: snapkv's default on CPU in fp32: the GGUF's own 4-bit (Q4_1) and 8-bit (Q8_0) blocks found back
-          exactly from the fp32 weights and multiplied by snapkv's C kernel (snapkv.block_weights);
+          exactly from the fp32 weights and multiplied by snapkv's C kernel (snapkv.modeling.block_weights);
 - int8:   each nn.Linear's weight rounded to int8 with one scale per output channel (symmetric), multiplied
           by PyTorch's int8 weight-only CPU kernel (torch._weight_int8pack_mm, the one torchao's int8
           weight-only layers use on CPU) for a few rows, dequantized for many (the prompt). On a 2-core AVX2
@@ -25,15 +25,15 @@ import torch
 from decode_options import decode_parser
 from torch import nn
 
-from snapkv.block_weights import use_block_weights
-from snapkv.config import Cut
-from snapkv.documents import Document
-from snapkv.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
-from snapkv.generation import answer
-from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-from snapkv.models import load_model
+from snapkv.modeling.block_weights import use_block_weights
+from snapkv.compression.config import Cut
+from snapkv.io.documents import Document
+from snapkv.measure.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
+from snapkv.engine.generation import answer
+from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+from snapkv.engine.models import load_model
 from snapkv.session import Session
-from snapkv.sizes import parse_size
+from snapkv.base.sizes import parse_size
 
 FEW_ROWS = 64  # at most this many rows multiply by the int8 kernel; more dequantize the weight first
 
@@ -41,7 +41,7 @@ FEW_ROWS = 64  # at most this many rows multiply by the int8 kernel; more dequan
 class Int8Linear(nn.Module):
     """nn.Linear with its weight in int8, one scale per output channel.
 
-    weight: (out_features, in_features) int8, a parameter (counted by snapkv.floor as bytes read per token)
+    weight: (out_features, in_features) int8, a parameter (counted by snapkv.measure.floor as bytes read per token)
     scale:  (out_features,) in the compute dtype: weight ~ int8 * scale
     """
 

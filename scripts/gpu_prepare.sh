@@ -12,7 +12,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     -d .gpu/whl transformers==5.24.0 typer==0.29.2 gguf pypdf platformdirs prompt_toolkit wcwidth cryptography
 .venv/bin/python - <<'PY'
 from transformers import AutoTokenizer
-from snapkv.models import resolve_model_source
+from snapkv.engine.models import resolve_model_source
 AutoTokenizer.from_pretrained(resolve_model_source(None)[1]).save_pretrained(".gpu/tokenizer")
 PY
 du -sh .gpu

@@ -10,8 +10,8 @@ made again from a file; positions that were dropped cannot come back).
 from dataclasses import replace
 from pathlib import Path
 
-from .config import DEFAULTS, Cut, SnapKVConfig, Tier, mode_of
-from .errors import ConfigError
+from snapkv.base.errors import ConfigError
+from snapkv.compression.config import DEFAULTS, Cut, SnapKVConfig, Tier, mode_of
 
 CUT_FIELDS = ("budget", "window", "kernel", "pooling", "method")
 STORE_FIELDS = ("store_budget", "store_keep", "store_method", "store_bits")

@@ -18,20 +18,21 @@ from typing import Callable, Iterator
 
 import torch
 
-from .answering import cut_for_file
-from .cache import CompressedCache
-from .cachefile import load_cache, per_question_of, recorded_sources, save_cache
-from .config import Cut, SnapKVConfig, Tier, Truncation, mode_of, per_question_of as per_question_for
-from .config import stored_bits_of, stored_tier_of
-from .documents import Document, stale_sources
-from .errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
-from .engines import EngineUse, engine_setting
-from .generation import Sampling, answer
-from .memory import PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory, wait_for_device
-from .models import LoadedModel
-from .store import CacheStore, cache_key
-from .streaming import TextStream
-from .tiers import build_tier, derive_tier
+from snapkv.answering import cut_for_file
+from snapkv.base.errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
+from snapkv.compression.config import (Cut, SnapKVConfig, Tier, Truncation, mode_of,
+                                       per_question_of as per_question_for, stored_bits_of, stored_tier_of)
+from snapkv.engine.engines import EngineUse, engine_setting
+from snapkv.engine.generation import Sampling, answer
+from snapkv.engine.memory import (PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory,
+                                  wait_for_device)
+from snapkv.engine.models import LoadedModel
+from snapkv.engine.tiers import build_tier, derive_tier
+from snapkv.io.documents import Document, stale_sources
+from snapkv.io.streaming import TextStream
+from snapkv.storage.cache import CompressedCache
+from snapkv.storage.cachefile import load_cache, per_question_of, recorded_sources, save_cache
+from snapkv.storage.store import CacheStore, cache_key
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
@@ -204,14 +205,14 @@ class Session:
               removed); None refuses it.
     allow_extrapolation: let prompts and answers run past the model's context (speed and memory
               measurements only: the answers are then not meaningful).
-    engine:   which engine answers (snapkv.engines: auto, native, torch, compiled, reference; None: SNAPKV_ENGINE,
+    engine:   which engine answers (snapkv.engine.engines: auto, native, torch, compiled, reference; None: SNAPKV_ENGINE,
               else auto); compiled's first answer over a new cache size pays the compile.
     """
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None,
                  store: CacheStore | None = None, verify: bool = True, truncate: str | None = None,
                  allow_extrapolation: bool = False, engine: str | None = None, system: str | None = None) -> None:
-        """system: the system message documents are prompted with (None: snapkv.prompting.DEFAULT_SYSTEM; "": the
+        """system: the system message documents are prompted with (None: snapkv.engine.prompting.DEFAULT_SYSTEM; "": the
         chat template's own); it is part of the context ids, so of the cache key."""
         if truncate not in (None, *TRUNCATE_SIDES):
             raise ConfigError(f"--truncate takes start, middle or end, not {truncate!r}")

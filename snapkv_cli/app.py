@@ -7,8 +7,8 @@ import traceback
 
 import typer
 
-from snapkv.config import check_runtime_settings
-from snapkv.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
+from snapkv.compression.config import check_runtime_settings
+from snapkv.base.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
 
 from . import ask, bench, cache, compress, evaluate, info, logs, models, repl, serve
 from .usage import PlainCommand
@@ -60,7 +60,7 @@ def _root(debug: bool = typer.Option(False, "--debug", envvar="SNAPKV_DEBUG",
 
 def _as_known_error(error: BaseException) -> SnapKVError | None:
     """Failures of the machine rather than of snapkv, told the way a user can act on them."""
-    from snapkv.memory import is_out_of_memory
+    from snapkv.engine.memory import is_out_of_memory
 
     if is_out_of_memory(error):
         return OutOfMemoryError(

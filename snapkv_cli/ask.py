@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from snapkv.config import DEFAULTS
-from snapkv.paths import CACHE_SUFFIX
+from snapkv.compression.config import DEFAULTS
+from snapkv.base.paths import CACHE_SUFFIX
 
 from .options import (BudgetOption, EngineOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption,
@@ -64,8 +64,8 @@ def ask(
     The first ask leaves a server that keeps the model loaded (for SNAPKV_KEEP_ALIVE seconds without a
     question, 300; 0 starts none), so that the next ask answers in about a second.
     """
-    from snapkv.cachemeta import read_metadata
-    from snapkv.documents import read_sources
+    from snapkv.storage.cachemeta import read_metadata
+    from snapkv.io.documents import read_sources
 
     from .consoles import done, inert, source_names, stderr_console, stdout_console, warn, working
 
@@ -89,9 +89,9 @@ def ask(
             warn(err, note)
         done(err, f"read {source_names([s.name for s in document.sources])} in {ingest_seconds:.2f} s")
 
-    from snapkv.generation import Sampling
+    from snapkv.engine.generation import Sampling
     from snapkv.session import Session
-    from snapkv.store import CacheStore
+    from snapkv.storage.store import CacheStore
 
     from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress,
                          report, stats_table, stream_answer)

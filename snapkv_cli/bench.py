@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from snapkv.config import DEFAULTS
-from snapkv.sizes import parse_sizes
+from snapkv.compression.config import DEFAULTS
+from snapkv.base.sizes import parse_sizes
 
 from .options import (BudgetsOption, DeviceMapOption, DeviceOption, DtypeOption, EngineOption, KernelOption,
                       LengthsOption,
@@ -43,7 +43,7 @@ def _table(result):
 
 
 def _plot(result, path: Path) -> None:
-    from snapkv.bench import series_name
+    from snapkv.measure.bench import series_name
 
     from .render import pyplot
 
@@ -101,8 +101,8 @@ def bench(
 ) -> None:
     """Measure the full cache against SnapKV: prefill, first token, decode speed, memory, the needle; and a follow-up
     question from the saved cache (load + first token, the median of 3 rounds) against prefilling again."""
-    from snapkv.bench import run_bench
-    from snapkv.models import random_weights_model
+    from snapkv.measure.bench import run_bench
+    from snapkv.engine.models import random_weights_model
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console

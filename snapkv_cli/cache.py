@@ -4,7 +4,7 @@ import json
 import time
 
 import typer
-from snapkv.errors import ConfigError
+from snapkv.base.errors import ConfigError
 
 from .usage import PlainCommand
 
@@ -33,7 +33,7 @@ def _bits(metadata: dict | None) -> "str | None":
 
 def _tier(metadata: dict | None) -> "str | None":
     """Which positions a cache file stores ("whole prompt", "70% by pseudo-question"), None where unreadable."""
-    from snapkv.config import Tier
+    from snapkv.compression.config import Tier
 
     try:
         tier = Tier.from_dict((metadata or {})["tier"])
@@ -47,7 +47,7 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
     """List the saved caches with their sizes, ages, models and sources."""
     from rich.table import Table
 
-    from snapkv.store import CacheStore
+    from snapkv.storage.store import CacheStore
 
     from .consoles import inert, stdout_console
 
@@ -80,7 +80,7 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
 @app.command(name="rm", cls=PlainCommand)
 def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
     """Delete saved caches by key."""
-    from snapkv.store import CacheStore
+    from snapkv.storage.store import CacheStore
 
     store = CacheStore()
     known = [entry.key for entry in store.entries()]
@@ -95,7 +95,7 @@ def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or u
 @app.command(name="clear", cls=PlainCommand)
 def clear(yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")) -> None:
     """Delete every saved cache."""
-    from snapkv.store import CacheStore
+    from snapkv.storage.store import CacheStore
 
     store = CacheStore()
     entries = store.entries()

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import typer
 
-from snapkv.config import DEFAULTS
-from snapkv.errors import CacheFileError, ConfigError
-from snapkv.paths import CACHE_SUFFIX as SUFFIX
+from snapkv.compression.config import DEFAULTS
+from snapkv.base.errors import CacheFileError, ConfigError
+from snapkv.base.paths import CACHE_SUFFIX as SUFFIX
 
 from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
                       NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption, QueryAwareOption,
@@ -44,8 +44,8 @@ def compress(
     The same settings make the same cache as `snapkv ask SOURCE` does, so `snapkv ask FILE.snapkv` answers
     as `snapkv ask SOURCE` would.
     """
-    from snapkv.cachemeta import read_metadata
-    from snapkv.documents import read_sources
+    from snapkv.storage.cachemeta import read_metadata
+    from snapkv.io.documents import read_sources
 
     from .consoles import stderr_console, warn, working
 

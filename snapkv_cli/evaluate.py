@@ -8,10 +8,10 @@ from enum import Enum
 from typing import Annotated, Optional
 
 import typer
-from snapkv.bits import Bits
-from snapkv.config import DEFAULTS
-from snapkv.errors import ConfigError
-from snapkv.sizes import parse_size, parse_sizes
+from snapkv.base.bits import Bits
+from snapkv.compression.config import DEFAULTS
+from snapkv.base.errors import ConfigError
+from snapkv.base.sizes import parse_size, parse_sizes
 
 from .options import (BudgetsOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
                       PoolingOption, StoreBitsOption, StoreKeepOption, StoreMethodOption, WindowOption, settings_from)
@@ -33,7 +33,7 @@ BOTH_MODES = [EvalMode.query_aware, EvalMode.document_window]
 
 def _settings(budgets: str, modes: list[EvalMode], window: int, kernel: int, pooling: str, store_keep: float | None,
               store_method: str, store_bits: Bits) -> list:
-    from snapkv.evaluation import EvalSetting
+    from snapkv.measure.evaluation import EvalSetting
 
     base = settings_from(DEFAULTS.budget, window, kernel, pooling, store_keep=store_keep, store_method=store_method,
                          store_bits=store_bits)
@@ -85,7 +85,7 @@ def needle(
     """The paper's needle-in-a-haystack grid: full cache vs SnapKV, per length and depth."""
     from rich.table import Table
 
-    from snapkv.evaluation import needle_grid
+    from snapkv.measure.evaluation import needle_grid
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
@@ -141,7 +141,7 @@ def multi(
     """One document with several facts, compressed once and saved; every question asked against the one cache."""
     from rich.table import Table
 
-    from snapkv.evaluation import many_questions
+    from snapkv.measure.evaluation import many_questions
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
@@ -209,7 +209,7 @@ def _comparison_table(title: str, comparisons: list, with_bytes: bool):
     return table
 
 
-# The benchmark's own documents (snapkv/data/fidelity), as --help describes them; a test keeps this true.
+# The benchmark's own documents (snapkv/io/data/fidelity), as --help describes them; a test keeps this true.
 SHIPPED_DOCUMENTS = "17 documents shipped with snapkv, 1.5k-7k tokens, 431 questions"
 # The stored tiers compared by default: the whole prompt at every precision that measured well or is smaller.
 FIDELITY_TIERS = "16/8,16/4,16/3,8,8/4,4/3,3/2+20%@8/4"
@@ -248,8 +248,8 @@ def fidelity(
     and whether each side states the expected fact. Each tier is saved to a file and loaded back, and all of a
     document's questions are asked of that file.
     """
-    from snapkv.atomic import write_atomically
-    from snapkv.fidelity import load_documents, needle_documents, run_fidelity, settings_for
+    from snapkv.base.atomic import write_atomically
+    from snapkv.measure.fidelity import load_documents, needle_documents, run_fidelity, settings_for
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console

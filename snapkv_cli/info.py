@@ -6,18 +6,18 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from snapkv.errors import IncompatibleCacheError
+from snapkv.base.errors import IncompatibleCacheError
 
 from .options import PasswordOption
 
 
 def describe(path: Path) -> dict:
     """The metadata plus sizes and per-layer kept counts, from the file's header and raw bytes: checked as a load
-    checks it (its checksum included), without torch (snapkv.cacheinfo)."""
+    checks it (its checksum included), without torch (snapkv.storage.cacheinfo)."""
     from dataclasses import asdict
 
-    from snapkv.cacheinfo import describe_file
-    from snapkv.measured import fidelity_of
+    from snapkv.storage.cacheinfo import describe_file
+    from snapkv.storage.measured import fidelity_of
 
     described = describe_file(path)
     metadata = described.metadata
@@ -38,8 +38,8 @@ def describe(path: Path) -> dict:
 
 def staleness(data: dict, document: str | None, password: str | None) -> list[str]:
     """Why the cache no longer matches its document (the one given, else the recorded paths); [] if fresh."""
-    from snapkv.cachemeta import recorded_sources
-    from snapkv.documents import read_sources, stale_sources
+    from snapkv.storage.cachemeta import recorded_sources
+    from snapkv.io.documents import read_sources, stale_sources
 
     recorded = recorded_sources(data["path"], data)
     given = read_sources(document, password) if document is not None else None
@@ -71,7 +71,7 @@ def info(
 
 
 def _bits_described(bits) -> str:
-    from snapkv.bits import Bits
+    from snapkv.base.bits import Bits
 
     try:
         return Bits.parse(bits).describe()
@@ -81,7 +81,7 @@ def _bits_described(bits) -> str:
 
 def _fidelity_described(bits, measured: dict | None) -> str:
     """What `snapkv eval fidelity` measured for this file's stored bits (`measured`: describe()'s "fidelity")."""
-    from snapkv.measured import Fidelity
+    from snapkv.storage.measured import Fidelity
 
     if str(bits) == "16":
         return "16 bits: the reference tier (every other tier is measured against it)"

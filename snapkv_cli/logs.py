@@ -5,7 +5,7 @@ import json
 
 import typer
 
-from snapkv.errors import ConfigError
+from snapkv.base.errors import ConfigError
 
 from .usage import PlainCommand
 

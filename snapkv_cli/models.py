@@ -14,7 +14,7 @@ def models(as_json: bool = typer.Option(False, "--json", help="Print them as one
 
     from rich.table import Table
 
-    from snapkv.catalog import EMBEDDED, available_models
+    from snapkv.engine.catalog import EMBEDDED, available_models
 
     from .consoles import SCHEMA_VERSION, inert, stdout_console
 

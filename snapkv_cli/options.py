@@ -1,12 +1,12 @@
-"""The command-line options the commands share, and the settings they build. Defaults come from snapkv.config."""
+"""The command-line options the commands share, and the settings they build. Defaults come from snapkv.compression.config."""
 
 from typing import Annotated, Literal, Optional
 
 import typer
 
-from snapkv.bits import Bits
-from snapkv.config import DEFAULT_SYSTEM, DEFAULTS, SnapKVConfig
-from snapkv.sizes import parse_size
+from snapkv.base.bits import Bits
+from snapkv.compression.config import DEFAULT_SYSTEM, DEFAULTS, SnapKVConfig
+from snapkv.base.sizes import parse_size
 
 
 def size(name: str, minimum: int = 1):

@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from snapkv.memory import process_peak_bytes
-from snapkv.models import LoadedModel, load_model
-from snapkv.generation import Sampling
+from snapkv.engine.memory import process_peak_bytes
+from snapkv.engine.models import LoadedModel, load_model
+from snapkv.engine.generation import Sampling
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
 from .consoles import (SCHEMA_VERSION, done, inert, source_names, stderr_console,  # noqa: F401 (re-exported)
@@ -24,7 +24,7 @@ from .consoles import (SCHEMA_VERSION, done, inert, source_names, stderr_console
 
 def pyplot():
     """matplotlib's pyplot on a file-only backend, or a usage error naming the extra to install."""
-    from snapkv.errors import ConfigError
+    from snapkv.base.errors import ConfigError
 
     try:
         import matplotlib
@@ -40,7 +40,7 @@ def load_with_status(err: Console, model: str | None, device: str, dtype: str,
                      device_map: str | None = None) -> tuple[LoadedModel, float]:
     """The model, with a spinner while it loads and one progress bar of ours the first time a GGUF file (the
     embedded model) is converted; off a terminal, a line for each."""
-    from snapkv.models import MODEL_POOL
+    from snapkv.engine.models import MODEL_POOL
 
     live = err.is_terminal
     progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=err,
@@ -163,7 +163,7 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
              "engine": a.engine.as_json()}
             for a in answers
         ],
-        # what ran the last answer: the engine of its steps (snapkv.engines) and the C kernels' variant
+        # what ran the last answer: the engine of its steps (snapkv.engine.engines) and the C kernels' variant
         "engine": answers[-1].engine.as_json() if answers else None,
         "document": {"tokens": prepared.tokens, "truncated_tokens": truncation.tokens if truncation else 0,
                      "sources": [asdict(s) for s in prepared.document.sources]},

@@ -9,9 +9,9 @@ from typing import Iterator, Optional
 
 import typer
 
-from snapkv.config import DEFAULTS
-from snapkv.errors import SnapKVError
-from snapkv.paths import CACHE_SUFFIX as SUFFIX
+from snapkv.compression.config import DEFAULTS
+from snapkv.base.errors import SnapKVError
+from snapkv.base.paths import CACHE_SUFFIX as SUFFIX
 
 from .options import (BudgetOption, EngineOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
                       MaxTokensOption, ModelOption, PasswordOption, PoolingOption, PrefillChunkOption,
@@ -113,7 +113,7 @@ class _State:
 
     def set(self, name: str, value: str) -> str:
         if name == "budget":
-            from snapkv.sizes import parse_size
+            from snapkv.base.sizes import parse_size
 
             try:
                 budget = parse_size(value, name="budget")
@@ -185,8 +185,8 @@ def repl(
     With stdin not a terminal, each line of stdin is a question (or a /command), so scripts can drive it;
     the exit code is then 2 if any /command failed.
     """
-    from snapkv.cachemeta import read_metadata
-    from snapkv.documents import read_sources
+    from snapkv.storage.cachemeta import read_metadata
+    from snapkv.io.documents import read_sources
 
     from .consoles import stderr_console, stdout_console, warn
 
@@ -211,9 +211,9 @@ def repl(
     else:
         document = read_sources(source, password)
 
-    from snapkv.generation import Sampling
+    from snapkv.engine.generation import Sampling
     from snapkv.session import Session
-    from snapkv.store import CacheStore
+    from snapkv.storage.store import CacheStore
 
     from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress, report,
                          stats_table, stream_answer)

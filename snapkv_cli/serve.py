@@ -35,8 +35,8 @@ from typing import Optional
 
 import typer
 
-from snapkv.ownership import NotPrivate, private_folder, written_only_by_me
-from snapkv.paths import snapkv_home
+from snapkv.base.ownership import NotPrivate, private_folder, written_only_by_me
+from snapkv.base.paths import snapkv_home
 
 DEFAULT_IDLE_SECONDS = 900
 KEEP_ALIVE_SECONDS = 300       # the server the first `ask` leaves stops after this long without a request
@@ -53,7 +53,7 @@ REQUEST_SECONDS = 10.0         # a client has this long to send its request once
 SEND_SECONDS = 60.0            # and to take each piece of output (a client that stops reading is dropped)
 STOP_SECONDS = 10.0            # `serve --stop` waits this long for a reply, then signals the server itself
 MAX_WAITING = 32               # connections read at once; more are turned away
-SERVER_STATE_EXIT = 8          # serve --status with none running, or serve with one running (snapkv.errors.EXIT_CODES)
+SERVER_STATE_EXIT = 8          # serve --status with none running, or serve with one running (snapkv.base.errors.EXIT_CODES)
 
 
 def socket_path() -> Path:
@@ -196,7 +196,7 @@ def disabled_by_environment() -> bool:
 def keep_alive_seconds() -> float:
     """How long the server the first `ask` starts waits for another request: SNAPKV_KEEP_ALIVE seconds
     (300 by default; 0 starts none)."""
-    from snapkv.errors import ConfigError
+    from snapkv.base.errors import ConfigError
 
     text = os.environ.get("SNAPKV_KEEP_ALIVE", "").strip()
     if not text:
@@ -459,7 +459,7 @@ def _remove_own_socket(path: Path, made: os.stat_result) -> None:
 
 def serve_forever(idle_seconds: float, preload: Optional[str], device: str, dtype: str) -> None:
     """Answer requests one at a time until idle for `idle_seconds` or asked to stop."""
-    import snapkv.models as models
+    import snapkv.engine.models as models
 
     global IN_SERVER
     IN_SERVER = True

@@ -71,7 +71,7 @@ def vector_width():
 @pytest.fixture(scope="session")
 def embedded_home(tmp_path_factory):
     """A snapkv home in which the embedded model has been converted, shared by the whole session."""
-    from snapkv.models import convert_gguf, embedded_gguf_path
+    from snapkv.engine.models import convert_gguf, embedded_gguf_path
 
     home = tmp_path_factory.mktemp("embedded-home")
     previous = os.environ.get("SNAPKV_HOME")
@@ -89,7 +89,7 @@ def embedded_home(tmp_path_factory):
 @pytest.fixture(scope="session")
 def embedded(embedded_home):
     """The embedded SmolLM2 model, loaded once per test session."""
-    from snapkv.models import load_model
+    from snapkv.engine.models import load_model
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SNAPKV_HOME", str(embedded_home))
@@ -109,7 +109,7 @@ def home(embedded_home, tmp_path, monkeypatch):
 @pytest.fixture
 def tiny_loaded(embedded):
     """A tiny random Llama with the embedded model's real tokenizer (ids beyond the tiny vocab are folded)."""
-    from snapkv.models import LoadedModel
+    from snapkv.engine.models import LoadedModel
 
     model = build_tiny("llama-gqa")
     model.resize_token_embeddings(len(embedded.tokenizer))

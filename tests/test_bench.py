@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from snapkv.errors import ConfigError, OutOfMemoryError
-from snapkv.sizes import parse_size, parse_sizes
+from snapkv.base.errors import ConfigError, OutOfMemoryError
+from snapkv.base.sizes import parse_size, parse_sizes
 from snapkv_cli.app import app
 
 TINY_SHAPE = Path(__file__).parent.parent / "samples" / "configs" / "tiny-llama.json"
@@ -73,7 +73,7 @@ def test_too_large_a_shape_is_refused_before_allocating(home):
 
 MEASURE_TWICE = """
 import torch
-from snapkv.memory import PeakMemory
+from snapkv.engine.memory import PeakMemory
 for _ in range(2):
     with PeakMemory(torch.device("cpu"), release=True) as memory:
         blocks = [torch.ones(256 * 1024) for _ in range(300)]  # 300 blocks of 1 MiB
@@ -96,7 +96,7 @@ def test_peak_memory_sees_each_block_in_one_process():
 
 def test_weight_bytes_per_token_counts_a_shared_table_once_and_a_separate_one_as_a_row():
     from conftest import build_tiny
-    from snapkv.floor import weight_bytes_per_token
+    from snapkv.measure.floor import weight_bytes_per_token
 
     model = build_tiny("llama-gqa")  # untied: the input table is read one row per token, the head whole
     every = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -127,7 +127,7 @@ def test_a_length_too_long_for_the_exact_prefill_gets_snapkv_in_chunks_and_the_f
 
 
 def test_fit_growth_recovers_the_exponent():
-    from snapkv.bench import BenchRow, fit_growth
+    from snapkv.measure.bench import BenchRow, fit_growth
 
     rows = [BenchRow(n, "snapkv", 128, True, 0.001 * n ** 2, 0.1, 5.0 * n, 10, 7 * n, None) for n in (1000, 2000, 8000)]
     rows.append(BenchRow(16000, "full", None, False, 9.0, 0, 0, 0, 0, None, estimated=True))

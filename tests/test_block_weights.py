@@ -1,14 +1,15 @@
-"""Weights kept as exact 4/8-bit blocks and decoded by snapkv's C kernel (snapkv.block_weights, snapkv.native)."""
+"""Weights kept as exact 4/8-bit blocks and decoded by snapkv's C kernel (snapkv.modeling.block_weights, snapkv.native)."""
 
 import json
 
 import pytest
 import torch
 
-from snapkv import block_weights, native
-from snapkv.block_weights import BlockLinear, exact_blocks, use_block_weights
-from snapkv.floor import weight_bytes_per_token
-from snapkv.generation import answer, prefill
+from snapkv.modeling import block_weights
+from snapkv import native
+from snapkv.modeling.block_weights import BlockLinear, exact_blocks, use_block_weights
+from snapkv.measure.floor import weight_bytes_per_token
+from snapkv.engine.generation import answer, prefill
 
 from conftest import build_tiny
 
@@ -178,7 +179,7 @@ def test_few_rows_from_blocks_give_the_bits_of_few_rows_from_the_fp32_weights(ma
 @needs_kernels
 @pytest.mark.parametrize("tied", [False, True])
 def test_model_on_blocks_answers_token_for_token_as_in_fp32(tied):
-    from snapkv.config import Cut
+    from snapkv.compression.config import Cut
 
     model = build_tiny("llama-gqa")
     if tied:
@@ -319,7 +320,7 @@ def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
     """q/k/v and gate/up blocks are fused into one tensor each (the BlockLinears keep views of their rows): the
     lean decode step reads each group in one kernel call and gives the same logits, to the bit, as calling
     the projections one by one."""
-    from snapkv import lean_decode
+    from snapkv.engine import lean_decode
 
     model = build_tiny("llama-gqa")
     snap_to_blocks(model)
@@ -352,8 +353,8 @@ def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
     assert torch.equal(found["fused"], found["one by one"])
     assert found["fused calls"] == 4 * len(layers) + 1 and found["one by one calls"] == 7 * len(layers) + 1
     # a question's rows: the same in one few-rows kernel call per group, through the lean question pass
-    from snapkv.compress import CompressionPlan
-    from snapkv.config import Cut
+    from snapkv.compression.compress import CompressionPlan
+    from snapkv.compression.config import Cut
 
     use_block_weights(model)  # fused again
     question = torch.randint(3, 256, (9,), generator=torch.Generator().manual_seed(5))

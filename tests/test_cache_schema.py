@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from snapkv.cachefile import load_cache, payload_signatures, read_metadata
-from snapkv.cacheschema import MAX_HEAD_DIM, MAX_KERNEL, check_metadata
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document
-from snapkv.errors import CacheFileError
+from snapkv.storage.cachefile import load_cache, payload_signatures, read_metadata
+from snapkv.storage.cacheschema import MAX_HEAD_DIM, MAX_KERNEL, check_metadata
+from snapkv.compression.config import SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.base.errors import CacheFileError
 from snapkv.session import Session
 
 
@@ -153,9 +153,9 @@ def test_a_layer_that_keeps_nothing_is_refused(tiny_loaded, tmp_path):
 
 def test_format_1_files_are_held_to_the_same_rules(tiny_loaded, tmp_path):
     """A snapkv 0.1 file (plain tensors, positions listed): its positions must be whole numbers, its keys floats."""
-    from snapkv.cachefile import payload_digest
-    from snapkv.config import Cut
-    from snapkv.generation import prefill
+    from snapkv.storage.cachefile import payload_digest
+    from snapkv.compression.config import Cut
+    from snapkv.engine.generation import prefill
 
     cache = prefill(tiny_loaded.model, torch.arange(3, 63), Cut(24, 8))
     metadata = {"format": "snapkv-cache", "version": "1.0", "model": tiny_loaded.identity, "mode": "document-window",

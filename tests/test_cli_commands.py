@@ -9,10 +9,10 @@ from typer.testing import CliRunner
 
 from dataclasses import asdict
 
-from snapkv.cachefile import read_metadata
-from snapkv.config import DEFAULTS
-from snapkv.measured import fidelity_of
-from snapkv.errors import ConfigError, DocumentError
+from snapkv.storage.cachefile import read_metadata
+from snapkv.compression.config import DEFAULTS
+from snapkv.storage.measured import fidelity_of
+from snapkv.base.errors import ConfigError, DocumentError
 from snapkv_cli.app import app
 from snapkv_cli.render import inert
 
@@ -183,7 +183,7 @@ def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, tmp_path, monke
     afterwards is bit for bit the one saved to the store before any answer."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
 
-    from snapkv import lean_decode, native_decode
+    from snapkv.engine import lean_decode, native_decode
 
     real_forward, real_step, decode_steps = LlamaForCausalLM.forward, lean_decode.decode_step, []
     real_native_step = native_decode.NativeDecoder.step
@@ -198,7 +198,7 @@ def test_ctrl_c_mid_answer_keeps_the_cache_and_the_session(home, tmp_path, monke
             decode_step_begins()
         return real_forward(self, *args, **kwargs)
 
-    def lean_step(*args):  # a decode step through snapkv.lean_decode (Llama-family models on CPU)
+    def lean_step(*args):  # a decode step through snapkv.engine.lean_decode (Llama-family models on CPU)
         decode_step_begins()
         return real_step(*args)
 

@@ -1,17 +1,18 @@
-"""A question's attention and cut straight from a saved layer's codes (snapkv.coded_attention,
-snapkv/kernels/coded_attention.c) against the same pass over the layer restored to fp32, on a tiny Llama with
+"""A question's attention and cut straight from a saved layer's codes (snapkv.engine.coded_attention,
+snapkv/native/kernels/coded_attention.c) against the same pass over the layer restored to fp32, on a tiny Llama with
 head_dim 64 whose weights are exact 4/8-bit blocks."""
 
 import pytest
 import torch
 
-from snapkv import coded_attention, lean_decode, native, native_decode
-from snapkv.bits import Bits
-from snapkv.cachefile import load_cache, save_cache
-from snapkv.compress import CompressionPlan
-from snapkv.config import Cut
-from snapkv.generation import answer, prefill
-from snapkv.quantize import quantize_mixed, stored_schemes
+from snapkv.engine import coded_attention, lean_decode, native_decode
+from snapkv import native
+from snapkv.base.bits import Bits
+from snapkv.storage.cachefile import load_cache, save_cache
+from snapkv.compression.compress import CompressionPlan
+from snapkv.compression.config import Cut
+from snapkv.engine.generation import answer, prefill
+from snapkv.storage.quantize import quantize_mixed, stored_schemes
 
 from test_native_decode import ids, on_blocks
 

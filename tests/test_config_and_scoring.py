@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from snapkv.config import DEFAULTS, Cut, SnapKVConfig, Tier, Truncation
-from snapkv.errors import ConfigError
-from snapkv.methods import PseudoQuestion, Reconstruction, SnapKV, method_from_dict, method_to_dict
-from snapkv.scoring import gather_positions, kept_indices, mean_over_query_groups, pool_scores, window_attention_scores
+from snapkv.compression.config import DEFAULTS, Cut, SnapKVConfig, Tier, Truncation
+from snapkv.base.errors import ConfigError
+from snapkv.compression.methods import PseudoQuestion, Reconstruction, SnapKV, method_from_dict, method_to_dict
+from snapkv.compression.scoring import gather_positions, kept_indices, mean_over_query_groups, pool_scores, window_attention_scores
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -114,8 +114,8 @@ def test_group_mean_and_selection():
 
 
 def test_a_prefill_in_chunks_is_a_snapkv_tier_that_says_so_and_survives_a_file():
-    from snapkv.config import Cut, SnapKVConfig
-    from snapkv.memory import estimate_prefill
+    from snapkv.compression.config import Cut, SnapKVConfig
+    from snapkv.engine.memory import estimate_prefill
 
     document_window = SnapKVConfig(budget=512, query_aware=False, prefill_chunk=2048)
     assert document_window.stored_tier.budget == 512 and document_window.mode == "document-window"
@@ -151,7 +151,7 @@ def _torch_and_native(monkeypatch, compute):
 @pytest.mark.parametrize("pooling", ["max", "avg"])
 @pytest.mark.parametrize("kernel", [1, 3, 5, 7, 9, 15, 17])
 def test_the_c_cut_scores_as_pytorch_does(monkeypatch, pooling, kernel):
-    """snapkv/kernels/window_cut.c's scores from a strided view of the window's weights (the last rows of each query
+    """snapkv/native/kernels/window_cut.c's scores from a strided view of the window's weights (the last rows of each query
     head, the columns before the window), as SnapKV.score_weights computes them in PyTorch, within fp32 rounding
     (kernels whose max pooling takes two overlapping runs of a power of two, or one exactly)."""
     torch.manual_seed(3)
@@ -181,7 +181,7 @@ def test_the_c_cut_keeps_the_best_positions_and_the_earliest_among_ties(monkeypa
 
 def test_the_c_cut_gathers_rows_from_a_view_with_room(monkeypatch):
     """Rows of a (1, heads, tokens, head_dim) view of a buffer with free rows after each head's tokens (as
-    snapkv.deferred lends it), the same as PyTorch's indexing; an index past the tokens is refused by the kernel and
+    snapkv.storage.deferred lends it), the same as PyTorch's indexing; an index past the tokens is refused by the kernel and
     PyTorch raises, as before."""
     torch.manual_seed(5)
     buffer = torch.randn(1, 3, 120, 16)

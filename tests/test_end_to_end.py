@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document
-from snapkv.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+from snapkv.compression.config import SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
 from snapkv.session import Session
 
 
@@ -39,7 +39,7 @@ SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 def test_readme_questions_keep_their_figures(home, cli):
     """README's first commands as a user types them, with the defaults: the revenue and the net debt come out
     right, the second from the saved cache, and no answer states a number the report does not hold."""
-    from snapkv.facts import numbers_of
+    from snapkv.io.facts import numbers_of
 
     in_document = set(numbers_of(SAMPLE.read_text()))
     first = cli("ask", "--no-server", "-q", SAMPLE, "What was the 2023 revenue?")

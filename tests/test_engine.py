@@ -9,12 +9,12 @@ from transformers.cache_utils import DynamicLayer
 
 from conftest import VOCAB, build_tiny
 from snapkv import native
-from snapkv.architectures import attention_layers
-from snapkv.compress import CompressionPlan, compressing
-from snapkv.config import Cut, SnapKVConfig
-from snapkv.methods import SnapKV
-from snapkv.errors import UnsupportedModelError
-from snapkv.generation import answer, prefill
+from snapkv.modeling.architectures import attention_layers
+from snapkv.compression.compress import CompressionPlan, compressing
+from snapkv.compression.config import Cut, SnapKVConfig
+from snapkv.compression.methods import SnapKV
+from snapkv.base.errors import UnsupportedModelError
+from snapkv.engine.generation import answer, prefill
 
 PROMPT_LENGTH = 96
 
@@ -122,7 +122,7 @@ def test_window_always_kept_and_positions_sorted(tiny_model):
 
 def test_kept_keys_are_the_top_scoring_ones():
     """With max pooling ties are common, so compare scores: no dropped key outscores a kept one."""
-    from snapkv.scoring import mean_over_query_groups, pool_scores
+    from snapkv.compression.scoring import mean_over_query_groups, pool_scores
 
     model = build_tiny("llama-gqa", attn_implementation="eager")
     ids = random_ids(64, 4)
@@ -211,10 +211,11 @@ def test_query_aware_pass_keeps_the_budget_and_the_question():
 
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2"])
 def test_the_question_pass_scores_from_the_attention_it_computed(name, monkeypatch):
-    """In fp32 on CPU the question's attention weights (snapkv.cpu_attention) serve SnapKV's scoring: no
+    """In fp32 on CPU the question's attention weights (snapkv.modeling.cpu_attention) serve SnapKV's scoring: no
     layer computes the window's queries again, and every layer keeps what scoring from scratch keeps."""
-    from snapkv import compress, cpu_attention
-    from snapkv.generation import run_forward
+    from snapkv.compression import compress
+    from snapkv.modeling import cpu_attention
+    from snapkv.engine.generation import run_forward
 
     model = build_tiny(name, attn_implementation=cpu_attention.NAME)
     cache = prefill(model, random_ids(PROMPT_LENGTH, 20), None)
@@ -275,7 +276,7 @@ def test_unsupported_architecture_is_refused():
 
 
 def test_sampling_is_reproducible_with_a_seed():
-    from snapkv.generation import Sampling
+    from snapkv.engine.generation import Sampling
 
     model = build_tiny("llama-gqa")
     cache = prefill(model, random_ids(32, 14), None)
@@ -287,9 +288,9 @@ def test_sampling_is_reproducible_with_a_seed():
 
 @pytest.mark.parametrize("per_question", [None, Cut(24, 8)])
 def test_presized_decoding_answers_token_for_token_as_concatenation(tiny_model, per_question, monkeypatch):
-    """The cache written in place (snapkv.presized) gives the same greedy answer as appending by concatenation,
+    """The cache written in place (snapkv.modeling.presized) gives the same greedy answer as appending by concatenation,
     on every architecture, the full cache and a per-question cut alike; the stored cache is left unchanged."""
-    from snapkv import engines
+    from snapkv.engine import engines
 
     cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 5), None)
     before = [keys.clone() for keys in cache.keys]
@@ -304,7 +305,7 @@ def test_presized_decoding_answers_token_for_token_as_concatenation(tiny_model, 
 
 
 def test_presized_layer_grows_past_its_room():
-    from snapkv.presized import PresizedLayer
+    from snapkv.modeling.presized import PresizedLayer
 
     keys = torch.randn(1, 2, 5, 4)
     layer = PresizedLayer(keys, keys.clone(), room=1)
@@ -318,12 +319,12 @@ def test_presized_layer_grows_past_its_room():
 
 @pytest.mark.parametrize("per_question", [Cut(budget=24, window=8), None])
 def test_a_deferred_cache_answers_as_one_restored_at_load(tiny_model, per_question, tmp_path):
-    """A cache loaded deferred (snapkv.cachefile's question_room) keeps its codes; each question's pass restores
+    """A cache loaded deferred (snapkv.storage.cachefile's question_room) keeps its codes; each question's pass restores
     the layers one at a time into one buffer and writes the question into the buffer's room
     (deferred.RestoringLayer). The answers are the same, token for token, as from the same file restored at load,
     for two questions in turn, and the cache holds its codes only, unchanged."""
-    from snapkv import deferred
-    from snapkv.cachefile import load_cache, save_cache
+    from snapkv.storage import deferred
+    from snapkv.storage.cachefile import load_cache, save_cache
 
     stored = prefill(tiny_model, random_ids(PROMPT_LENGTH, 30), None).at_precision(4)
     save_cache(tmp_path / "cache.snapkv", stored)
@@ -352,9 +353,9 @@ def test_a_restoring_layer_writes_into_the_room_or_concatenates_and_copies_out_w
     """RestoringLayer restores into the shared buffer and writes a question that fits the room there; a longer one,
     or a second update, is concatenated; a layer still in the buffer is copied out when the next layer takes the
     buffer and when released, so what it holds never changes."""
-    from snapkv.deferred import RestoringLayer, StoredLayers, release_buffers, restoring_layers
-    from snapkv.quantize import dequantize, quantize, stored_schemes
-    from snapkv.bits import Bits
+    from snapkv.storage.deferred import RestoringLayer, StoredLayers, release_buffers, restoring_layers
+    from snapkv.storage.quantize import dequantize, quantize, stored_schemes
+    from snapkv.base.bits import Bits
 
     schemes = stored_schemes(Bits.parse(4), 16)
     originals = [torch.randn(2, 9, 16) for _ in range(4)]  # two layers' keys and values
@@ -386,9 +387,9 @@ def test_a_restoring_layer_writes_into_the_room_or_concatenates_and_copies_out_w
 
 @pytest.mark.slow
 def test_compiled_decoding_answers_token_for_token_as_eager():
-    """torch.compile'd steps over a static copy of the cache (snapkv.compiled) give the greedy answer of the eager
+    """torch.compile'd steps over a static copy of the cache (snapkv.engine.compiled) give the greedy answer of the eager
     engine, for the full cache and a per-question cut; a second answer of the same room compiles nothing."""
-    from snapkv.compiled import decoder_for
+    from snapkv.engine.compiled import decoder_for
 
     model = build_tiny("llama-gqa")
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
@@ -405,7 +406,7 @@ def test_compiled_decoding_answers_token_for_token_as_eager():
 
 
 def test_a_compiler_failure_falls_back_to_the_eager_step(monkeypatch):
-    from snapkv.compiled import decoder_for
+    from snapkv.engine.compiled import decoder_for
 
     def broken_compile(function, **options):
         def fails(*args):
@@ -424,7 +425,7 @@ def test_a_compiler_failure_falls_back_to_the_eager_step(monkeypatch):
 
 
 def test_sliding_window_caches_do_not_qualify_for_compiling():
-    from snapkv.compiled import CompiledDecoder
+    from snapkv.engine.compiled import CompiledDecoder
 
     model = build_tiny("gemma3")
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
@@ -436,7 +437,7 @@ def test_sliding_window_caches_do_not_qualify_for_compiling():
 def test_chunked_prefill_with_nothing_to_drop_is_the_exact_prefill(tiny_model):
     """Chunks that attend to the cache so far and to themselves give the cache of one pass (masks and RoPE
     positions right), on every architecture."""
-    from snapkv.generation import chunked_prefill
+    from snapkv.engine.generation import chunked_prefill
 
     ids = random_ids(300, 7)
     exact = prefill(tiny_model, ids, None)
@@ -447,7 +448,7 @@ def test_chunked_prefill_with_nothing_to_drop_is_the_exact_prefill(tiny_model):
 
 
 def test_chunked_prefill_stays_within_its_bound_and_one_chunk_is_the_exact_cut(tiny_model):
-    from snapkv.generation import chunked_prefill
+    from snapkv.engine.generation import chunked_prefill
 
     ids = random_ids(300, 8)
     cut = Cut(64, 8)
@@ -467,7 +468,7 @@ def test_chunked_prefill_stays_within_its_bound_and_one_chunk_is_the_exact_cut(t
 
 
 def test_a_last_piece_shorter_than_the_window_joins_the_chunk_before_it():
-    from snapkv.generation import chunked_prefill
+    from snapkv.engine.generation import chunked_prefill
 
     model = build_tiny("llama-gqa")
     seen = []
@@ -480,11 +481,11 @@ def test_a_last_piece_shorter_than_the_window_joins_the_chunk_before_it():
 
 def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
     """One query row in bf16 on CPU, or a question's rows in bf16 or fp32, are computed by plain matmuls
-    (snapkv.cpu_attention), grouped heads and masks as sdpa treats them; anything else (one fp32 row
+    (snapkv.modeling.cpu_attention), grouped heads and masks as sdpa treats them; anything else (one fp32 row
     included) goes to sdpa itself."""
     from transformers.integrations import sdpa_attention
 
-    from snapkv import cpu_attention
+    from snapkv.modeling import cpu_attention
 
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -531,12 +532,12 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
                                                                    (1, 1, 2, 33, 16), (4, 2, 13, 16, 32)])
 def test_a_questions_fp32_rows_take_the_c_kernel_and_agree_with_the_matmuls(kv_heads, group, rows, keys, head_dim,
                                                                            monkeypatch):
-    """fp32 question rows go to snapkv/kernels/few_rows.c where every row attends to all the earlier keys: the
+    """fp32 question rows go to snapkv/native/kernels/few_rows.c where every row attends to all the earlier keys: the
     output and the kept weights agree with PyTorch's matmuls to fp32 rounding, for any number of rows and keys (tiles
     of 6 rows and 16 keys with remainders), head sizes and groups, boolean or additive masks, strided caches (a
     RoomLayer's view); earlier keys masked, or the kernels turned off, take the matmuls. The kernel also sums each
     query head's weights over the window's rows (the last ones), as PyTorch sums them."""
-    from snapkv import cpu_attention
+    from snapkv.modeling import cpu_attention
 
     torch.manual_seed(rows)
     module = torch.nn.Module()
@@ -585,8 +586,8 @@ def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vecto
     outputs that leave a part-filled tile)."""
     if not vector_width(True):
         pytest.skip("this CPU lacks AVX-512")
-    from snapkv import cpu_attention
-    from snapkv.block_weights import few_rows_matmul
+    from snapkv.modeling import cpu_attention
+    from snapkv.modeling.block_weights import few_rows_matmul
 
     torch.manual_seed(0)
     module = torch.nn.Module()
@@ -613,8 +614,8 @@ def test_a_questions_c_kernels_give_the_same_bits_with_avx512_as_with_avx2(vecto
 def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch):
     """The same model in bf16 with snapkv's CPU decode attention and with sdpa: every decoded step's logits
     agree within bf16 rounding (sliding-window layers and per-question cuts included)."""
-    from snapkv import cpu_attention
-    from snapkv.generation import run_forward
+    from snapkv.modeling import cpu_attention
+    from snapkv.engine.generation import run_forward
 
     models = {impl: build_tiny(name, attn_implementation=impl).to(torch.bfloat16)
               for impl in ("sdpa", cpu_attention.NAME)}
@@ -641,10 +642,11 @@ def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2"])
 def test_lean_decode_step_is_the_models_forward_to_the_bit(name, dtype, monkeypatch):
-    """snapkv.lean_decode writes out one token's forward for plain Llama-family models: the same logits, bit for
+    """snapkv.engine.lean_decode writes out one token's forward for plain Llama-family models: the same logits, bit for
     bit, as the model's own forward, and answer() uses it for every decoded token (full cache and a cut)."""
-    from snapkv import cpu_attention, lean_decode
-    from snapkv.generation import run_forward
+    from snapkv.modeling import cpu_attention
+    from snapkv.engine import lean_decode
+    from snapkv.engine.generation import run_forward
 
     model = build_tiny(name, attn_implementation="sdpa" if dtype == torch.float32 else cpu_attention.NAME)
     model = model.to(dtype)
@@ -675,7 +677,7 @@ def test_a_questions_rope_in_c_is_transformers_to_the_bit(rows, heads, head_dim,
     bits as transformers' apply_rotary_pos_emb over the (1, heads, q, head_dim) view; PyTorch's ops without kernels."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from snapkv.lean_decode import _with_rope
+    from snapkv.engine.lean_decode import _with_rope
 
     torch.manual_seed(rows)
     projected = torch.randn(1, rows, heads * head_dim) * 30
@@ -694,13 +696,14 @@ def test_a_questions_rope_in_c_is_transformers_to_the_bit(rows, heads, head_dim,
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2"])
 def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, dtype, deferred, tmp_path,
                                                                            monkeypatch):
-    """snapkv.lean_decode.question_pass: a question over a cache (restored into the room of a deferred one, or a
-    plain copy), each layer cut as snapkv.compress's hook cuts it: the same logits, the same kept positions and the
+    """snapkv.engine.lean_decode.question_pass: a question over a cache (restored into the room of a deferred one, or a
+    plain copy), each layer cut as snapkv.compression.compress's hook cuts it: the same logits, the same kept positions and the
     same cached keys and values, bit for bit, as the model's forward under compressing(); with SnapKV's scores from
     the attention kernel's window sums in fp32. answer() takes it (and gives the same tokens) unless the engine is reference."""
-    from snapkv import cpu_attention, lean_decode
-    from snapkv.cachefile import load_cache, save_cache
-    from snapkv.generation import run_forward
+    from snapkv.modeling import cpu_attention
+    from snapkv.engine import lean_decode
+    from snapkv.storage.cachefile import load_cache, save_cache
+    from snapkv.engine.generation import run_forward
 
     model = build_tiny(name, attn_implementation=cpu_attention.NAME).to(dtype)
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
@@ -745,7 +748,7 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
 
 @pytest.mark.parametrize("name", ["phi3", "qwen3", "gemma3"])
 def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forward(name):
-    from snapkv import lean_decode
+    from snapkv.engine import lean_decode
 
     model = build_tiny(name)
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(model.config)
@@ -762,7 +765,7 @@ def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forwa
 def test_a_masks_question_columns_are_remembered_only_while_it_is_unchanged():
     """cpu_attention reads where a question's columns start once per mask (every layer of a forward gets the same
     one); a mask changed in place, or another mask, is read again."""
-    from snapkv.cpu_attention import _question_columns
+    from snapkv.modeling.cpu_attention import _question_columns
 
     mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
     assert _question_columns(mask) == _question_columns(mask) == 7

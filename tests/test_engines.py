@@ -1,4 +1,4 @@
-"""Every engine (snapkv.engines) against the model's own forward: greedy tokens equal on the tiny architectures and on
+"""Every engine (snapkv.engine.engines) against the model's own forward: greedy tokens equal on the tiny architectures and on
 the embedded model, with each C kernels' variant this CPU runs; which engine ran is reported."""
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 
 from snapkv import native
-from snapkv.bits import Bits
-from snapkv.config import ENGINE_CHOICES, Cut, SnapKVConfig
-from snapkv.engines import EngineUse, engine_order
-from snapkv.errors import ConfigError
-from snapkv.generation import answer, prefill
+from snapkv.base.bits import Bits
+from snapkv.compression.config import ENGINE_CHOICES, Cut, SnapKVConfig
+from snapkv.engine.engines import EngineUse, engine_order
+from snapkv.base.errors import ConfigError
+from snapkv.engine.generation import answer, prefill
 
 from conftest import TINY_CONFIGS, build_tiny
 from test_coded_attention import saved
@@ -70,7 +70,7 @@ def test_the_native_engine_answers_as_the_model_forward_with_every_kernel_varian
 
 
 def test_the_engine_in_force_is_read_from_the_environment(monkeypatch):
-    from snapkv.config import engine_setting
+    from snapkv.compression.config import engine_setting
 
     monkeypatch.setenv("SNAPKV_ENGINE", "Torch")
     assert engine_setting() == "torch" and engine_setting("reference") == "reference"
@@ -84,8 +84,8 @@ def test_every_engine_answers_as_the_model_forward_on_the_embedded_model(embedde
     """The embedded model in fp32 (its weights found back as 4/8-bit blocks), a saved default-tier cache of the
     sample report cut to the default budget per question: every engine, and the native one with each kernel
     variant this CPU runs, answers three questions token for token as the model's own forward."""
-    from snapkv.documents import read_sources
-    from snapkv.models import load_model
+    from snapkv.io.documents import read_sources
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
 
     monkeypatch.setenv("SNAPKV_HOME", str(embedded_home))

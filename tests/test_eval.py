@@ -5,8 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from snapkv.evaluation import multi_fact_document
-from snapkv.haystack import filler_text
+from snapkv.measure.evaluation import multi_fact_document
+from snapkv.io.haystack import filler_text
 from snapkv_cli.app import app
 
 
@@ -45,7 +45,7 @@ def test_many_questions_from_one_saved_cache(home):
 
 
 def test_bad_eval_options(home):
-    from snapkv.errors import ConfigError
+    from snapkv.base.errors import ConfigError
 
     unknown = CliRunner().invoke(app, ["eval", "multi", "--modes", "psychic"])
     assert unknown.exit_code == 2  # a usage error, listing the modes there are

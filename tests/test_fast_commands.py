@@ -41,10 +41,10 @@ def saved_cache(tmp_path):
     """A cache of a tiny model, saved with the document it was made from: (file, document)."""
     import torch
 
-    from snapkv.cachefile import save_cache
-    from snapkv.config import Cut
-    from snapkv.documents import read_sources
-    from snapkv.generation import prefill
+    from snapkv.storage.cachefile import save_cache
+    from snapkv.compression.config import Cut
+    from snapkv.io.documents import read_sources
+    from snapkv.engine.generation import prefill
 
     document = tmp_path / "notes.txt"
     document.write_text("The vault code is 1234. " * 20)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import snapkv.store as store_module
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document
-from snapkv.errors import StorageError
+import snapkv.storage.store as store_module
+from snapkv.compression.config import SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.base.errors import StorageError
 from snapkv.session import Session
-from snapkv.cachefile import load_cache, save_cache
+from snapkv.storage.cachefile import load_cache, save_cache
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 DOCUMENT = Document(" ".join(f"Entry {i}: the harbour log notes calm water." for i in range(40)))
@@ -115,7 +115,7 @@ def test_unwritable_store_still_answers(home, cli, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_preflight_refuses_what_cannot_fit(home, cli, monkeypatch):
-    monkeypatch.setattr("snapkv.memory.free_bytes", lambda device: 8 * 2**20)
+    monkeypatch.setattr("snapkv.engine.memory.free_bytes", lambda device: 8 * 2**20)
     result = cli("ask", SAMPLE, "What was the revenue?")
     assert result.code == 6 and "Traceback" not in result.stderr
     assert "needs about" in result.stderr and "0.01 GiB is free" in result.stderr
@@ -138,7 +138,7 @@ def test_a_bug_is_an_internal_error_and_debug_shows_the_traceback(cli, monkeypat
     def broken(*args, **kwargs):
         raise ZeroDivisionError("a bug")
 
-    monkeypatch.setattr("snapkv.documents.read_sources", broken)
+    monkeypatch.setattr("snapkv.io.documents.read_sources", broken)
     plain = cli("ask", SAMPLE, "q")
     assert plain.code == 1 and "internal error: ZeroDivisionError: a bug" in plain.stderr
     assert "--debug" in plain.stderr and "Traceback" not in plain.stderr
@@ -147,7 +147,7 @@ def test_a_bug_is_an_internal_error_and_debug_shows_the_traceback(cli, monkeypat
 
 
 def test_exit_codes_are_documented(cli):
-    from snapkv.errors import EXIT_CODES
+    from snapkv.base.errors import EXIT_CODES
 
     result = cli("--help")
     assert result.code == 0

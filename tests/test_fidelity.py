@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from snapkv.bits import Bits
-from snapkv.config import DEFAULTS
-from snapkv.facts import compare, fact_found, first_sentence, how_changed, names_of, numbers_of, sentence_complete
-from snapkv.fidelity import FULL, Setting, compare_settings, load_documents, needle_documents, run_fidelity, settings_for
+from snapkv.base.bits import Bits
+from snapkv.compression.config import DEFAULTS
+from snapkv.io.facts import compare, fact_found, first_sentence, how_changed, names_of, numbers_of, sentence_complete
+from snapkv.measure.fidelity import FULL, Setting, compare_settings, load_documents, needle_documents, run_fidelity, settings_for
 from snapkv_cli.evaluate import SHIPPED_DOCUMENTS
 
 
@@ -95,7 +95,7 @@ def test_needle_documents_hold_their_number(embedded):
 def test_run_fidelity_on_a_tiny_model_compares_every_setting(tiny_loaded, tmp_path):
     """The mechanics on a tiny random model: every setting answers every question; the 16-bit cache cut to a
     budget above the document answers exactly as the full cache does."""
-    from snapkv.fidelity import FactDocument, Question
+    from snapkv.measure.fidelity import FactDocument, Question
 
     text = " ".join(f"Item {i} costs {i * 7}.5 pounds." for i in range(40))
     document = FactDocument("tiny", text, (Question("What does item 3 cost?", "21.5"),

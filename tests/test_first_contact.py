@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from snapkv.documents import read_sources
-from snapkv.prompting import DEFAULT_SYSTEM, Prompter
+from snapkv.io.documents import read_sources
+from snapkv.engine.prompting import DEFAULT_SYSTEM, Prompter
 
 
 def snapkv(*args, home, env=None) -> subprocess.CompletedProcess:
@@ -47,10 +47,10 @@ def test_a_folder_reads_one_form_of_each_document_and_says_which(tmp_path):
 
 
 def test_the_default_system_message_is_neutral_and_part_of_the_cache_key(embedded, tmp_path):
-    from snapkv.config import DEFAULTS
-    from snapkv.documents import Document
+    from snapkv.compression.config import DEFAULTS
+    from snapkv.io.documents import Document
     from snapkv.session import Session
-    from snapkv.store import cache_key
+    from snapkv.storage.store import cache_key
 
     tokenizer = embedded.tokenizer
     neutral, own, given = Prompter(tokenizer), Prompter(tokenizer, ""), Prompter(tokenizer, "Answer in French.")

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 import pdf_fixtures as pdf
 from conftest import build_tiny
-from snapkv.documents import read_file
-from snapkv.errors import CacheFileError, DocumentError, IncompatibleCacheError
-from snapkv.generation import prefill
-from snapkv.cachefile import load_cache, save_cache
+from snapkv.io.documents import read_file
+from snapkv.base.errors import CacheFileError, DocumentError, IncompatibleCacheError
+from snapkv.engine.generation import prefill
+from snapkv.storage.cachefile import load_cache, save_cache
 
 FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                       HealthCheck.too_slow])

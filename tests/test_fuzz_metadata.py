@@ -54,10 +54,10 @@ def seed(embedded_home, tmp_path_factory):
     """A small real cache of the embedded model, in the default tier, and its tensors."""
     from safetensors.torch import load_file
 
-    from snapkv.cachefile import read_metadata
-    from snapkv.config import DEFAULTS
-    from snapkv.documents import Document
-    from snapkv.models import load_model
+    from snapkv.storage.cachefile import read_metadata
+    from snapkv.compression.config import DEFAULTS
+    from snapkv.io.documents import Document
+    from snapkv.engine.models import load_model
     from snapkv.session import Session
 
     with pytest.MonkeyPatch.context() as patch:
@@ -94,7 +94,7 @@ def limit_child() -> None:
 def test_crafted_metadata_is_used_or_refused_never_crashes(seed, tmp_path, path, value):
     from safetensors.torch import save_file
 
-    from snapkv.cachefile import payload_signatures
+    from snapkv.storage.cachefile import payload_signatures
 
     metadata, tensors, home = seed
     data = crafted(metadata, path, value)

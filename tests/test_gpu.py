@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.config import Cut
-from snapkv.generation import answer, prefill
-from snapkv.memory import PeakMemory, estimate_prefill
-from snapkv.cachefile import load_cache, save_cache
+from snapkv.compression.config import Cut
+from snapkv.engine.generation import answer, prefill
+from snapkv.engine.memory import PeakMemory, estimate_prefill
+from snapkv.storage.cachefile import load_cache, save_cache
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

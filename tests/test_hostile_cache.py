@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document, read_sources
-from snapkv.errors import CacheFileError
+from snapkv.compression.config import SnapKVConfig
+from snapkv.io.documents import Document, read_sources
+from snapkv.base.errors import CacheFileError
 from snapkv.session import Session
-from snapkv.cachefile import load_cache, save_cache
+from snapkv.storage.cachefile import load_cache, save_cache
 
 
 @pytest.fixture

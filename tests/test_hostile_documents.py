@@ -7,8 +7,8 @@ entry point, which reads the document before it loads any model.
 import pytest
 
 import pdf_fixtures as pdf
-from snapkv.documents import MAX_FILE_BYTES, read_sources
-from snapkv.errors import DocumentError
+from snapkv.io.documents import MAX_FILE_BYTES, read_sources
+from snapkv.base.errors import DocumentError
 
 GOOD = pdf.text_pdf([["The 2023 revenue was 42 million."]])
 

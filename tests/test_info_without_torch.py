@@ -1,4 +1,4 @@
-"""`snapkv info` reads a cache without torch (snapkv.cacheinfo): the same figures as a load gives, the same refusals
+"""`snapkv info` reads a cache without torch (snapkv.storage.cacheinfo): the same figures as a load gives, the same refusals
 with the same messages, the checksum checked over the raw bytes, and a document given said to match or not."""
 
 import json
@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import VOCAB, build_tiny
-from snapkv.cacheinfo import describe_file
-from snapkv.cachefile import load_cache, payload_digest, payload_signatures, per_question_of, read_metadata, save_cache
-from snapkv.config import Cut, SnapKVConfig
-from snapkv.documents import Document, read_sources
-from snapkv.errors import CacheFileError
-from snapkv.generation import prefill
+from snapkv.storage.cacheinfo import describe_file
+from snapkv.storage.cachefile import load_cache, payload_digest, payload_signatures, per_question_of, read_metadata, save_cache
+from snapkv.compression.config import Cut, SnapKVConfig
+from snapkv.io.documents import Document, read_sources
+from snapkv.base.errors import CacheFileError
+from snapkv.engine.generation import prefill
 from snapkv.session import Session
 
 LEDGER = Document(" ".join(f"Line {i} of the ledger holds {i * 3}." for i in range(20)))
@@ -55,7 +55,7 @@ def torch_figures(path: Path) -> dict:
 
 
 def header_figures(path: Path) -> dict:
-    """The same, told by snapkv.cacheinfo from the file's header and raw bytes."""
+    """The same, told by snapkv.storage.cacheinfo from the file's header and raw bytes."""
     described = describe_file(path)
     return {"kv_bytes": described.stored_kv_bytes, "kv_bytes_full": described.full_kv_bytes(2),
             "kept_per_layer": described.kept_per_layer, "bytes_per_layer": described.layer_bytes,

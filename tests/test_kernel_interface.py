@@ -1,4 +1,4 @@
-"""The C kernels' one interface (snapkv/kernels/kernels.h) against its Python side (snapkv.native): every function and
+"""The C kernels' one interface (snapkv/native/kernels/kernels.h) against its Python side (snapkv.native): every function and
 struct the header declares is bound as the header says, the limits come from the library, each variant this CPU runs
 builds and loads, and a compiler without OpenMP still builds them."""
 
@@ -11,7 +11,7 @@ import torch
 
 from snapkv import native
 
-HEADER = resources.files("snapkv").joinpath("kernels", "kernels.h").read_text()
+HEADER = resources.files("snapkv.native").joinpath("kernels", "kernels.h").read_text()
 has_kernels = native.unavailable_reason() is None
 needs_kernels = pytest.mark.skipif(not has_kernels, reason=f"no C kernels: {native.unavailable_reason()}")
 

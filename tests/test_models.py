@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
-from snapkv.models import load_model, pick_dtype
+from snapkv.base.errors import ConfigError, ModelNotFoundError, UnsupportedModelError
+from snapkv.engine.models import load_model, pick_dtype
 
 
 def save_tiny_with_tokenizer(folder, embedded, name="llama-gqa"):
@@ -72,7 +72,7 @@ def test_bad_paths_and_settings(tmp_path):
 def test_missing_embedded_model_names_the_install_command(monkeypatch):
     import importlib.util
 
-    from snapkv.conversion import EMBEDDED_PACKAGE
+    from snapkv.engine.conversion import EMBEDDED_PACKAGE
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

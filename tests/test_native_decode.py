@@ -1,15 +1,16 @@
-"""The decode step in one C call (snapkv.native_decode, snapkv/kernels/decode_step.c) against the lean step it
+"""The decode step in one C call (snapkv.engine.native_decode, snapkv/native/kernels/decode_step.c) against the lean step it
 stands in for, on tiny Llama models whose weights are exact 4/8-bit blocks."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from snapkv import lean_decode, native, native_decode
-from snapkv.block_weights import use_block_weights
-from snapkv.config import Cut
-from snapkv.generation import answer, prefill, run_forward
-from snapkv.presized import presize
+from snapkv.engine import lean_decode, native_decode
+from snapkv import native
+from snapkv.modeling.block_weights import use_block_weights
+from snapkv.compression.config import Cut
+from snapkv.engine.generation import answer, prefill, run_forward
+from snapkv.modeling.presized import presize
 
 from conftest import COMMON, build_tiny
 from test_block_weights import snap_to_blocks
@@ -150,7 +151,7 @@ def test_native_question_layers_are_the_lean_pass_within_rounding(heads, monkeyp
     fused products, RoPE, SiLU) against the same pass in PyTorch's ops: logits and the cached keys and values within
     fp32 rounding, the same positions kept by the cut; answer() takes the C parts by default, and its tokens are
     those of the torch engine."""
-    from snapkv.compress import CompressionPlan
+    from snapkv.compression.compress import CompressionPlan
 
     model = on_blocks(**heads)
     layers = native_decode.question_layers(model)

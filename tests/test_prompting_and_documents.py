@@ -2,9 +2,9 @@
 
 import pytest
 
-from snapkv.documents import html_to_text, read_sources
-from snapkv.errors import DocumentError
-from snapkv.prompting import context_ids, question_ids
+from snapkv.io.documents import html_to_text, read_sources
+from snapkv.base.errors import DocumentError
+from snapkv.engine.prompting import context_ids, question_ids
 
 
 def test_document_special_tokens_stay_text(embedded):

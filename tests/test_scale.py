@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.architectures import feed_forward_modules
-from snapkv.chunking import chunked_feed_forward
-from snapkv.config import Cut, SnapKVConfig
-from snapkv.documents import Document
-from snapkv.errors import IncompatibleCacheError, OutOfMemoryError
-from snapkv.generation import answer, prefill
-from snapkv.memory import check_prefill_fits, estimate_prefill
-from snapkv.models import load_model
+from snapkv.modeling.architectures import feed_forward_modules
+from snapkv.modeling.chunking import chunked_feed_forward
+from snapkv.compression.config import Cut, SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.base.errors import IncompatibleCacheError, OutOfMemoryError
+from snapkv.engine.generation import answer, prefill
+from snapkv.engine.memory import check_prefill_fits, estimate_prefill
+from snapkv.engine.models import load_model
 from snapkv.session import Session
-from snapkv.cachefile import load_cache, save_cache
+from snapkv.storage.cachefile import load_cache, save_cache
 
 IDS = torch.arange(3, 203) % 250 + 3  # (200,) a prompt for the tiny models
 
@@ -94,7 +94,7 @@ def test_preflight_refuses_with_the_numbers(monkeypatch):
     model = build_tiny("llama-gqa")
     device = torch.device("cpu")
     assert check_prefill_fits(model, 200, device, torch.float32, None).tokens == 200
-    monkeypatch.setattr("snapkv.memory.free_bytes", lambda device: 2**20)
+    monkeypatch.setattr("snapkv.engine.memory.free_bytes", lambda device: 2**20)
     with pytest.raises(OutOfMemoryError, match=r"prefilling 200000 tokens needs about .* GiB is free on cpu"):
         check_prefill_fits(model, 200_000, device, torch.float32, None)
 

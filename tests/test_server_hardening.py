@@ -16,7 +16,7 @@ import pytest
 
 from conftest import start_server
 from snapkv import native
-from snapkv.ownership import NotPrivate, private_folder, written_only_by_me
+from snapkv.base.ownership import NotPrivate, private_folder, written_only_by_me
 from snapkv_cli import serve
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"

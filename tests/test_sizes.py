@@ -5,10 +5,10 @@ A tiny random Llama (1024 positions) with the embedded model's tokenizer; budget
 
 import pytest
 
-from snapkv.config import SnapKVConfig
-from snapkv.documents import Document
-from snapkv.errors import DocumentError
-from snapkv.prompting import context_ids, document_ids, question_ids
+from snapkv.compression.config import SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.base.errors import DocumentError
+from snapkv.engine.prompting import context_ids, document_ids, question_ids
 from snapkv.session import QUESTION_ALLOWANCE, Session
 
 BUDGET, WINDOW = 64, 8

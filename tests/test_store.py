@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from conftest import build_tiny
-from snapkv.cachefile import load_cache, read_metadata, save_cache
-from snapkv.config import Cut, SnapKVConfig
-from snapkv.documents import Document, Source
-from snapkv.errors import CacheFileError, IncompatibleCacheError
-from snapkv.generation import answer, prefill
-from snapkv.models import LoadedModel
+from snapkv.storage.cachefile import load_cache, read_metadata, save_cache
+from snapkv.compression.config import Cut, SnapKVConfig
+from snapkv.io.documents import Document, Source
+from snapkv.base.errors import CacheFileError, IncompatibleCacheError
+from snapkv.engine.generation import answer, prefill
+from snapkv.engine.models import LoadedModel
 from snapkv.session import Session
-from snapkv.store import CacheStore
+from snapkv.storage.store import CacheStore
 
 DOCUMENT = Document(" ".join(f"Paragraph {i} tells of rivers, bread and maps." for i in range(40)))
 
@@ -242,8 +242,8 @@ def test_damaged_store_entry_is_rebuilt(tiny_loaded, tmp_path):
 
 @pytest.mark.parametrize("where", ["start", "middle", "end"])
 def test_truncation_fits_the_context(tiny_loaded, where):
-    from snapkv.errors import DocumentError
-    from snapkv.prompting import document_ids
+    from snapkv.base.errors import DocumentError
+    from snapkv.engine.prompting import document_ids
 
     text = " ".join(f"w{i}" for i in range(1500))
     body = document_ids(tiny_loaded.tokenizer, text)
@@ -273,7 +273,7 @@ def test_the_digests_cover_every_byte_and_files_with_any_of_them_load(tiny_loade
     found by each; a file with only the older digests still loads; a wrong one present is refused."""
     from safetensors.torch import load_file, save_file
 
-    from snapkv.cachefile import DIGEST_LANES, payload_checksum, payload_digest
+    from snapkv.storage.cachefile import DIGEST_LANES, payload_checksum, payload_digest
 
     _, prepared = saved(tiny_loaded, tmp_path)
     metadata = read_metadata(prepared.path)

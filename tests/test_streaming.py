@@ -2,7 +2,7 @@
 
 import random
 
-from snapkv.streaming import TextStream
+from snapkv.io.streaming import TextStream
 
 
 def streamed(tokenizer, tokens: list[int]) -> tuple[str, int]:

@@ -6,20 +6,20 @@ import pytest
 import torch
 
 from conftest import VOCAB, build_tiny
-from snapkv.architectures import attention_layers
-from snapkv.cachefile import load_cache, read_metadata, save_cache
-from snapkv.config import Cut, SnapKVConfig
-from snapkv.documents import Document
-from snapkv.errors import CacheFileError
-from snapkv.generation import answer, prefill
-from snapkv.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
+from snapkv.modeling.architectures import attention_layers
+from snapkv.storage.cachefile import load_cache, read_metadata, save_cache
+from snapkv.compression.config import Cut, SnapKVConfig
+from snapkv.io.documents import Document
+from snapkv.base.errors import CacheFileError
+from snapkv.engine.generation import answer, prefill
+from snapkv.compression.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
 from snapkv import native
-from snapkv import quantize as quantize_module
-from snapkv.bits import Bits
-from snapkv.quantize import CHANNELS, TOKENS, Mixed, Scheme, dequantize, quantize, quantize_mixed, stored_schemes
+from snapkv.storage import quantize as quantize_module
+from snapkv.base.bits import Bits
+from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Scheme, dequantize, quantize, quantize_mixed, stored_schemes
 from snapkv.session import Session
-from snapkv.store import CacheStore
-from snapkv.tiers import SHARPENING, keep_best, probe_scores, sharper_positions
+from snapkv.storage.store import CacheStore
+from snapkv.engine.tiers import SHARPENING, keep_best, probe_scores, sharper_positions
 
 DOCUMENT = Document(" ".join(f"Entry {i}: the ferry left pier {i * 7 % 13} at {i % 12 + 1} o'clock." for i in range(30)))
 
@@ -82,7 +82,7 @@ def test_the_rotation_is_undone_and_evens_out_an_outlier_channel():
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("rotated", [False, True])
 def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch):
-    """snapkv/kernels/dequantize.c gives PyTorch's values: the same bits unrotated, within fp32 rounding
+    """snapkv/native/kernels/dequantize.c gives PyTorch's values: the same bits unrotated, within fp32 rounding
     rotated (its transform sums in another order), for both axes, padded last groups, head_dim 64, 96 (a
     rotation block of 32) and 12 (4), and a Mixed tensor's rows put back in place."""
     torch.manual_seed(bits)
@@ -124,7 +124,7 @@ def test_the_c_dequantizer_restores_what_pytorch_does(bits, rotated, monkeypatch
 def test_the_c_dequantizer_gives_the_same_bits_with_avx512_as_with_avx2(vector_width):
     """With AVX-512 the inverse rotation of a 64-channel row runs in four 16-float vectors (dequantize.c
     hadamard_64_wide) instead of eight of 8: the same additions, so the same bits, for both axes and into a
-    destination with room (snapkv.deferred's buffer)."""
+    destination with room (snapkv.storage.deferred's buffer)."""
     if not vector_width(True):
         pytest.skip("this CPU lacks AVX-512")
     torch.manual_seed(5)
@@ -372,7 +372,7 @@ def test_format_1_files_are_still_read(tiny_loaded, tmp_path):
     """A file written by snapkv 0.1 (format 1.0: int32 positions, plain tensors) loads and answers."""
     from safetensors.torch import save_file
 
-    from snapkv.cachefile import payload_digest
+    from snapkv.storage.cachefile import payload_digest
 
     cache = prefill(tiny_loaded.model, random_ids(60, 3), Cut(24, 8))
     tensors = {"token_ids": cache.token_ids.to(torch.int32)}
@@ -398,7 +398,7 @@ def test_format_1_files_are_still_read(tiny_loaded, tmp_path):
 def signed(metadata: dict, tensors: dict) -> dict:
     """metadata with every digest of these tensors, as save_cache writes them: a damaged file that passes the digest
     check, so that what is refused is the damage itself."""
-    from snapkv.cachefile import payload_signatures
+    from snapkv.storage.cachefile import payload_signatures
 
     return {**metadata, **payload_signatures(tensors)}
 
@@ -447,12 +447,12 @@ def test_damaged_sharper_parts_are_refused(tiny_loaded, tmp_path):
 
 
 def test_masks_and_part_rows_read_the_same_in_c_as_in_numpy_and_torch(monkeypatch):
-    """A saved mask's positions (snapkv.cachefile) and a Mixed part's destination rows (snapkv.quantize), found by
-    snapkv/kernels/dequantize.c and without it: the same, for any room; heads keeping different counts refused both
+    """A saved mask's positions (snapkv.storage.cachefile) and a Mixed part's destination rows (snapkv.storage.quantize), found by
+    snapkv/native/kernels/dequantize.c and without it: the same, for any room; heads keeping different counts refused both
     ways."""
     from snapkv import native
-    from snapkv.cachefile import _pack_mask, _unpack_mask
-    from snapkv.quantize import Scheme, quantize_mixed
+    from snapkv.storage.cachefile import _pack_mask, _unpack_mask
+    from snapkv.storage.quantize import Scheme, quantize_mixed
 
     if native.unavailable_reason() is not None:
         pytest.skip(f"C kernels unavailable: {native.unavailable_reason()}")

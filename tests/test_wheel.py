@@ -35,10 +35,10 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_ships_the_package_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    assert "snapkv/data/essays.txt" in names
+    assert "snapkv/io/data/essays.txt" in names
     from snapkv import native
 
-    assert all(f"snapkv/kernels/{name}" in names for name in native.SOURCES + native.HEADERS)  # compiled on first use
+    assert all(f"snapkv/native/kernels/{name}" in names for name in native.SOURCES + native.HEADERS)  # compiled on first use
     assert any(name.startswith("snapkv_cli/") for name in names)
     assert not any(name.startswith(("tests/", "samples/", "benchmarks/")) for name in names)
 

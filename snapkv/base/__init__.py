@@ -1,0 +1,1 @@
+"""Foundations every layer uses: errors, paths, private folders, atomic writes, sizes, bits, digests."""

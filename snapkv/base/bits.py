@@ -1,0 +1,167 @@
+"""How many bits a stored key and value take (Bits), and how a kind below 16 bits is quantized (Scheme): small
+value types, free of torch (the CLI and snapkv.storage.cacheinfo import them)."""
+
+from dataclasses import dataclass
+from math import gcd
+
+SUPPORTED_BITS = (2, 3, 4, 8)  # below 16: what snapkv.storage.quantize packs
+
+
+def _check_pair(keys: int, values: int) -> None:
+    choices = ", ".join(map(str, (16, *reversed(SUPPORTED_BITS))))
+    if keys not in (16, *SUPPORTED_BITS) or values not in (16, *SUPPORTED_BITS):
+        raise ValueError(f"stored bits must be {choices}, or KEYS/VALUES of those (as 16/8 or 4/3); "
+                         f"got {keys if keys == values else f'{keys}/{values}'}")
+    if values == 16 and keys != 16:
+        raise ValueError(f"values in 16 bits need keys in 16 bits too (keys decide what is attended), not "
+                         f"{keys}/{values}")
+
+
+def _parse_pair(text: str, whole: str) -> tuple[int, int]:
+    parts = text.strip().split("/")
+    if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
+        raise ValueError(f"stored bits are a number (8), KEYS/VALUES (4/3) or BITS+SHARE%@BITS (4/2+20%@4), "
+                         f"not {whole!r}")
+    keys = int(parts[0])
+    return keys, int(parts[-1])
+
+
+def _pair_text(keys: int, values: int) -> str:
+    return str(keys) if keys == values else f"{keys}/{values}"
+
+
+class Bits:
+    """The bits a stored key and value take.
+
+    Bits(8): both 8; Bits(4, 3): keys 4, values 3 (written "4/3"); Bits(16, 8): keys in the 16-bit dtype, values
+    in 8 bits (keys decide which positions are attended, and take rounding worse); Bits(4, 2, share=0.2, sharp=(4, 4)):
+    a sharper share (MiKV's idea, arXiv 2402.18096): the 20% of each head's positions the model needs
+    most in 4/4 bits, the rest in 4/2 (written "4/2+20%@4"). 16 means the 16-bit dtype, for both.
+    Compares and hashes as a plain int when keys and values agree and there is no sharper share, so
+    `tier.bits == 16` reads as it says.
+    """
+
+    __slots__ = ("keys", "values", "share", "sharp")
+
+    def __init__(self, keys: int, values: int | None = None, *, share: float = 0.0,
+                 sharp: "tuple[int, int] | None" = None) -> None:
+        values = keys if values is None else values
+        _check_pair(keys, values)
+        share = float(share)
+        if share:
+            if not 0.0 < share < 1.0 or round(share * 100) != share * 100:
+                raise ValueError(f"a sharper share is a whole percentage between 1% and 99%, not {share:.4g}")
+            if sharp is None or keys == 16 or values == 16:
+                raise ValueError("a sharper share needs its own bits, and the rest below 16 bits")
+            _check_pair(*sharp)
+            if 16 in sharp or sharp[0] < keys or sharp[1] < values or tuple(sharp) == (keys, values):
+                raise ValueError(f"the sharper share's bits ({_pair_text(*sharp)}) must be above the rest's "
+                                 f"({_pair_text(keys, values)}) and below 16")
+            sharp = (int(sharp[0]), int(sharp[1]))
+        else:
+            sharp = None
+        object.__setattr__(self, "keys", int(keys))
+        object.__setattr__(self, "values", int(values))
+        object.__setattr__(self, "share", share)
+        object.__setattr__(self, "sharp", sharp)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Bits is immutable")
+
+    @classmethod
+    def parse(cls, text: "str | int | Bits") -> "Bits":
+        """'8', 8, '4/3', '4/2+20%@4' or a Bits; ValueError for anything else."""
+        if isinstance(text, Bits):
+            return text
+        if isinstance(text, int) and not isinstance(text, bool):
+            return cls(text)
+        whole = str(text).strip()
+        rest, plus, sharper = whole.partition("+")
+        if not plus:
+            return cls(*_parse_pair(rest, whole))
+        share, at, sharp = sharper.partition("%@")
+        if not at or not share.strip().isdigit() or not int(share):
+            raise ValueError(f"a sharper share is written BITS+SHARE%@BITS with SHARE from 1 to 99, as 4/2+20%@4; "
+                             f"not {whole!r}")
+        return cls(*_parse_pair(rest, whole), share=int(share) / 100, sharp=_parse_pair(sharp, whole))
+
+    @property
+    def rest(self) -> "Bits":
+        """The bits of the positions outside the sharper share (all of them where there is none)."""
+        return Bits(self.keys, self.values) if self.share else self
+
+    @property
+    def sharper(self) -> "Bits | None":
+        """The bits of the sharper share, or None."""
+        return Bits(*self.sharp) if self.share else None
+
+    def to_json(self) -> "int | str":
+        return self.keys if self.keys == self.values and not self.share else str(self)
+
+    def __str__(self) -> str:
+        text = _pair_text(self.keys, self.values)
+        return f"{text}+{round(self.share * 100)}%@{_pair_text(*self.sharp)}" if self.share else text
+
+    def describe(self) -> str:
+        """For people: "8-bit", "4/3-bit", "4/2-bit, 20% at 4-bit"."""
+        text = f"{_pair_text(self.keys, self.values)}-bit"
+        return f"{text}, {round(self.share * 100)}% at {_pair_text(*self.sharp)}-bit" if self.share else text
+
+    def __repr__(self) -> str:
+        sharper = f", share={self.share}, sharp={self.sharp}" if self.share else ""
+        return f"Bits({self.keys}, {self.values}{sharper})"
+
+    def _key(self) -> tuple:
+        return (self.keys, self.values, self.share, self.sharp)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Bits):
+            return self._key() == other._key()
+        if isinstance(other, int) and not isinstance(other, bool):
+            return self.keys == self.values == other and not self.share
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.keys) if self.keys == self.values and not self.share else hash(self._key())
+
+
+# Axis of the (kv_heads, tokens, head_dim) tensors along which a group runs.
+TOKENS, CHANNELS = 1, 2
+AXIS_NAMES = {TOKENS: "tokens", CHANNELS: "channels"}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one kind of tensor (keys or values) is quantized: bits, the axis its groups run along, group size."""
+
+    bits: int
+    axis: int
+    group: int
+    rotated: bool = False  # a Hadamard rotation of each head's vectors before quantizing
+
+    def to_dict(self) -> dict:
+        data = {"bits": self.bits, "axis": AXIS_NAMES[self.axis], "group": self.group}
+        return {**data, "rotation": "hadamard"} if self.rotated else data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Scheme":
+        """ValueError (or KeyError, TypeError) for a scheme snapkv cannot read."""
+        axis = {name: number for number, name in AXIS_NAMES.items()}[data["axis"]]
+        rotation = data.get("rotation")
+        if rotation not in (None, "hadamard"):
+            raise ValueError(f"unknown rotation {rotation!r} in quantization scheme {data}")
+        scheme = cls(int(data["bits"]), axis, int(data["group"]), rotation == "hadamard")
+        if scheme.bits not in SUPPORTED_BITS or scheme.group < 1 or scheme.group % values_per_chunk(scheme.bits):
+            raise ValueError(f"unreadable quantization scheme {data}")
+        return scheme
+
+    def stored_shapes(self, shape: tuple[int, int, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(codes, scale and minimum) shapes of a (kv_heads, tokens, head_dim) tensor quantized this way."""
+        other = shape[CHANNELS] if self.axis == TOKENS else shape[TOKENS]
+        groups = -(-shape[self.axis] // self.group)
+        return (shape[0], other, groups, self.group * self.bits // 8), (shape[0], other, groups)
+
+
+def values_per_chunk(bits: int) -> int:
+    """The fewest codes that fill whole bytes: 8 at 3 bits (3 bytes), 2 at 4 bits, 1 at 8."""
+    return 8 // gcd(bits, 8)

@@ -1,0 +1,125 @@
+"""Compress each attention layer's cache right after the layer runs, inside one model forward.
+
+Used for the prefill (the window is the prompt's tail) and, in query-aware mode, for the question
+pass (the window is the question). Because each layer is cut down as soon as it is written, the
+full cache of all layers never exists at once.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Iterator
+
+import torch
+
+from snapkv.compression.config import Cut
+from snapkv.compression.scoring import gather_positions, kept_indices
+from snapkv.modeling import cpu_attention
+from snapkv.modeling.architectures import attention_layers, window_queries
+
+
+@dataclass
+class CompressionPlan:
+    """What one forward pass keeps per layer.
+
+    cut:    the method and budget; `cut.prefix_keep` positions are kept before the observation window.
+    window: the observation window: this many of the forward's last new tokens (capped at the number
+            of new tokens). The cut's own window at prefill; the whole question in a question pass.
+    """
+
+    cut: Cut
+    window: int
+    # layer index -> (batch, kv_heads, kept) physical indices into the layer's cache before the cut;
+    # layers that were not cut are absent.
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def prefix_keep(self) -> int:
+        return self.cut.prefix_keep
+
+
+def cache_argument(kwargs: dict):
+    """The cache a decoder layer's attention was called with (None outside a cached forward)."""
+    # transformers >= 5.24 names it `cache`, earlier 5.x releases `past_key_values`.
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
+
+
+def _scores_from_attention(method, captured: cpu_attention.Captured | None, keys: torch.Tensor,
+                           window: int) -> torch.Tensor | None:
+    """The method's scores from the attention weights the layer just computed (snapkv.modeling.cpu_attention keeps them in
+    fp32 for a few query rows: the weights where PyTorch's matmuls made them, their sums over the window where its C
+    kernel did), or None where there are none for these keys or the method cannot use them."""
+    n = keys.shape[2]
+    if captured is None:
+        return None
+    sums, weights = captured.window_sums, captured.weights
+    if (sums is not None and sums.shape[-1] == n and captured.window == window
+            and hasattr(method, "score_window_sums")):
+        return method.score_window_sums(sums[..., : n - window])
+    if (weights is None or weights.shape[-1] != n or weights.shape[-2] < window
+            or not hasattr(method, "score_weights")):
+        return None
+    return method.score_weights(weights[..., -window:, : n - window])
+
+
+def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache, position_embeddings) -> None:
+    """Cut the cache layer of attention `module` to the plan, right after the module ran in a forward over
+    hidden_states (batch, new tokens, hidden) with RoPE's (cos, sin); scored from the attention weights the module
+    kept (snapkv.modeling.cpu_attention, with CAPTURE set by `capturing`) where it did, else from the window's queries."""
+    captured = module.__dict__.pop(cpu_attention.CAPTURED, None)  # this forward's, used once or dropped
+    layer = cache.layers[module.layer_idx]
+    keys, values = layer.keys, layer.values  # (batch, kv_heads, n, head_dim)
+    n = keys.shape[2]
+    window = min(plan.window, hidden_states.shape[1])
+    if n <= plan.prefix_keep + window:
+        return  # nothing to drop: the layer is left whole
+    scores = _scores_from_attention(plan.cut.method, captured, keys, window)
+    if scores is None:  # the window's queries again, and their attention onto every key
+        cos, sin = position_embeddings
+        queries = window_queries(
+            module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
+        )
+        scores = plan.cut.method.score(queries, keys, module.scaling)  # (batch, kv_heads, n - window)
+    indices = kept_indices(scores, plan.prefix_keep, window)
+    layer.keys = gather_positions(keys, indices)
+    layer.values = gather_positions(values, indices)
+    plan.kept[module.layer_idx] = indices
+
+
+def _compress_layer_hook(plan: CompressionPlan, module, args, kwargs, output) -> None:
+    cache = cache_argument(kwargs)
+    if cache is None:
+        module.__dict__.pop(cpu_attention.CAPTURED, None)
+        return
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    cut_layer(plan, module, hidden_states, cache, kwargs.get("position_embeddings"))
+
+
+@contextmanager
+def capturing(model, window: int) -> Iterator[list[torch.nn.Module]]:
+    """Within the block, every compressible attention module keeps its attention weights over the last `window`
+    rows (snapkv.modeling.cpu_attention's CAPTURE) for cut_layer; yields those modules."""
+    modules = [layer.module for layer in attention_layers(model) if layer.compressible]
+    try:
+        for module in modules:
+            setattr(module, cpu_attention.CAPTURE, window)
+        yield modules
+    finally:
+        for module in modules:
+            module.__dict__.pop(cpu_attention.CAPTURE, None)
+            module.__dict__.pop(cpu_attention.CAPTURED, None)
+
+
+@contextmanager
+def compressing(model, plan: CompressionPlan) -> Iterator[CompressionPlan]:
+    """Within the block, every compressible attention layer cuts its cache to the plan after it runs."""
+    handles = []
+    try:
+        with capturing(model, plan.window) as modules:
+            for module in modules:
+                handles.append(module.register_forward_hook(partial(_compress_layer_hook, plan), with_kwargs=True))
+            yield plan
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,108 @@
+"""A question's attention and SnapKV's cut over a saved layer read straight from its codes, for snapkv.engine.lean_decode's
+question pass.
+
+Over a deferred cache (snapkv.storage.deferred) the pass restored each layer to fp32 (8k tokens of the embedded model: 12 MB
+of keys and values a layer, ~40 ms of a question over 30 layers), attended over it, then kept ~1/8 of it. Here one C
+call per layer (snapkv/native/kernels/coded_attention.c's attend_coded_and_cut) attends over the stored codes themselves,
+decoding each tile of 64 keys or values into the nearest cache as it goes (the Hadamard rotation moved onto the few
+query and output rows), scores the positions from the window's softmax sums as SnapKV does (pooled, averaged per KV
+head), picks the best, and restores only those (the same bits as the whole layer's restore). Its output and scores
+agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same positions kept).
+
+Taken where everything fits (lean_decode.question_pass asked for it: the native engine's, snapkv.engine.engines): fp32 on a CPU
+with AVX-512 and snapkv's kernels; SnapKV's method; a layer the plan cuts, stored below 16 bits as one part or as a
+sharper share whose keys and values share their sharper positions; keys grouped along tokens and values along
+channels, in groups of a multiple of 16; every value part rotated alike; head_dim a multiple of 64 (up to 256).
+Anything else returns None, and the pass restores the layer as before.
+"""
+
+import ctypes
+
+import torch
+
+from snapkv import native
+from snapkv.compression.compress import CompressionPlan
+from snapkv.compression.methods import SnapKV
+from snapkv.storage.deferred import RestoringLayer
+from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Quantized
+
+READABLE_BITS = (2, 3, 4, 8)
+
+
+def _parts(stored_keys, stored_values) -> list[tuple[Quantized, Quantized]] | None:
+    """The (keys, values) parts in the order their columns are read, or None where they do not pair up."""
+    if isinstance(stored_keys, Quantized) and isinstance(stored_values, Quantized):
+        return [(stored_keys, stored_values)]
+    if (isinstance(stored_keys, Mixed) and isinstance(stored_values, Mixed)
+            and (stored_keys.sharp is stored_values.sharp or torch.equal(stored_keys.sharp, stored_values.sharp))):
+        return [(stored_keys.high, stored_values.high), (stored_keys.low, stored_values.low)]
+    return None
+
+
+def _readable(parts: list[tuple[Quantized, Quantized]], head_dim: int) -> bool:
+    """Whether coded_attention.c reads these parts (its conditions, checked here so that it never refuses)."""
+    if (head_dim % 64 or head_dim > native.limit("snapkv_max_attention_head_dim")
+            or len({values.scheme.rotated for _, values in parts}) != 1):
+        return False
+    for keys, values in parts:
+        key_scheme, value_scheme = keys.scheme, values.scheme
+        if (key_scheme.axis != TOKENS or value_scheme.axis != CHANNELS or key_scheme.group % 16
+                or value_scheme.group % 16 or head_dim % value_scheme.group or keys.shape[1] == 0
+                or key_scheme.bits not in READABLE_BITS or value_scheme.bits not in READABLE_BITS):
+            return False
+        for part in (keys, values):  # read by address: as stored, on the CPU, contiguous
+            if (part.packed.dtype != torch.uint8 or part.scale.dtype != torch.float16
+                    or part.minimum.dtype != torch.float16
+                    or not all(t.device.type == "cpu" and t.is_contiguous()
+                               for t in (part.packed, part.scale, part.minimum))):
+                return False
+    return True
+
+
+def _pointer_array(values: list[int], kind) -> ctypes.Array:
+    return (kind * len(values))(*values)
+
+
+@torch.inference_mode()
+def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer,
+                   plan: CompressionPlan) -> torch.Tensor | None:
+    """The question's attention output (1, q, heads * head_dim), with `layer` (a deferred layer not yet restored)
+    cut to the plan and holding only its kept positions (plan.kept updated as cut_layer does); None where this path
+    does not apply (nothing is changed then). query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim):
+    the question's rows after RoPE (query, key), fp32."""
+    method = plan.cut.method
+    if (not isinstance(layer, RestoringLayer) or layer.restored or not isinstance(method, SnapKV)
+            or native.unavailable_reason() is not None):
+        return None
+    parts = _parts(layer.stored_keys, layer.stored_values)
+    _, heads, rows, head_dim = query.shape
+    kv_heads, stored, _ = layer.stored_keys.shape
+    window = min(plan.window, rows)
+    if (parts is None or not _readable(parts, head_dim) or query.shape[0] != 1 or heads % kv_heads
+            or any(t.dtype != torch.float32 for t in (query, key, value))
+            or stored + rows <= plan.prefix_keep + window):
+        return None
+    group = heads // kv_heads
+    kept = min(plan.prefix_keep, stored + rows - window) + window
+    rotated = any(keys.scheme.rotated or values.scheme.rotated for keys, values in parts)
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    output = torch.empty(kv_heads, group * rows, head_dim)  # each KV head's query heads' rows, one after another
+    indices = torch.empty(1, kv_heads, kept, dtype=torch.int64)
+    kept_keys, kept_values = torch.empty(1, kv_heads, kept, head_dim), torch.empty(1, kv_heads, kept, head_dim)
+    pointers = _pointer_array([t.data_ptr() for keys, values in parts for t in (
+        keys.packed, keys.scale, keys.minimum, values.packed, values.scale, values.minimum)], ctypes.c_void_p)
+    shapes = _pointer_array([number for keys, values in parts for number in (
+        keys.shape[1], keys.scheme.bits, keys.scheme.group, int(keys.scheme.rotated), values.scheme.bits,
+        values.scheme.group)], ctypes.c_int64)
+    sharp = layer.stored_keys.sharp.contiguous() if isinstance(layer.stored_keys, Mixed) else None  # (kv_heads, stored)
+    if native.kernels().attend_coded_and_cut(
+            query.data_ptr(), kv_heads, group * rows, rows, module.scaling, head_dim, len(parts), pointers, shapes,
+            (head_dim & -head_dim) if rotated else 0, int(parts[0][1].scheme.rotated), key.data_ptr(),
+            value.data_ptr(), None if sharp is None else sharp.data_ptr(), method.kernel,
+            int(method.pooling == "max"), plan.prefix_keep, window, output.data_ptr(), indices.data_ptr(), kept,
+            kept_keys.data_ptr(), kept_values.data_ptr(), torch.get_num_threads()) != 0:
+        return None  # a NaN score, or memory ran out: the restored path decides
+    layer.keys, layer.values = kept_keys, kept_values
+    layer.restored = True
+    plan.kept[module.layer_idx] = indices
+    return output.view(heads, rows, head_dim).transpose(0, 1).reshape(1, rows, heads * head_dim)

@@ -1,0 +1,279 @@
+"""Load a causal LM and its tokenizer: the embedded default, a Hub id, a local folder or a .gguf file."""
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from snapkv.base import fingerprint
+from snapkv.base.errors import ConfigError, ModelNotFoundError, OutOfMemoryError
+from snapkv.base.paths import models_dir
+from snapkv.engine.conversion import EMBEDDED_NAME, convert_gguf, embedded_gguf_path
+from snapkv.engine.memory import USABLE_SHARE, free_bytes
+from snapkv.engine.prompting import Prompter
+from snapkv.modeling.architectures import check_supported, layer_devices, text_config
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for prefill: weights, tokenizer, where it runs, and its name."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    weights: str = "as loaded"  # how decoding reads the weights (snapkv.modeling.block_weights), for reports
+
+    _identity: dict | None = None
+
+    @property
+    def identity(self) -> dict:
+        """What a saved cache must match to be reused with this model (computed once)."""
+        if self._identity is None:
+            config = text_config(self.model)
+            self._identity = {
+                "name": self.name,
+                "model_type": config.model_type,
+                "config_sha256": fingerprint.config_hash(config),
+                "weights_sha256": fingerprint.weights_hash(self.model),
+                "tokenizer_sha256": fingerprint.tokenizer_hash(self.tokenizer),
+                "chat_template_sha256": fingerprint.chat_template_hash(self.tokenizer),
+                "rope": fingerprint.rope_settings(config),
+                "num_layers": config.num_hidden_layers,
+                "kv_heads": config.num_key_value_heads,
+                "head_dim": getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            }
+        return self._identity
+
+    @cached_property
+    def prompter(self) -> Prompter:
+        """The chat template around documents and questions, with the default system message, tokenized once."""
+        return Prompter(self.tokenizer)
+
+    def prompter_for(self, system: str | None) -> Prompter:
+        """The template with this system message (None: the default), each tokenized once."""
+        if system is None or system == self.prompter.system:
+            return self.prompter
+        prompters = self.__dict__.setdefault("_prompters", {})
+        if system not in prompters:
+            prompters[system] = Prompter(self.tokenizer, system)
+        return prompters[system]
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        """Where each layer's cache lives: its attention layer's device (several with a device_map)."""
+        return layer_devices(self.model)
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(text_config(self.model), "max_position_embeddings", 0) or 0)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Token ids that end an answer: the generation config's EOS ids and the tokenizer's."""
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            if isinstance(eos, int):
+                ids.add(eos)
+            elif isinstance(eos, (list, tuple)):
+                ids.update(int(e) for e in eos)
+        end_of_turn = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(end_of_turn, int) and end_of_turn != self.tokenizer.unk_token_id:
+            ids.add(end_of_turn)
+        return frozenset(ids)
+
+
+def resolve_model_source(spec: str | None, on_convert: Callable[[int, int], None] | None = None) -> tuple[str, str]:
+    """(display name, what from_pretrained loads) for a --model value; None means the embedded model.
+
+    on_convert: progress of a GGUF file's one-time conversion, (steps done, steps in all).
+    """
+    if not spec:
+        spec = os.environ.get("SNAPKV_MODEL") or None
+    if not spec or spec == EMBEDDED_NAME:  # the name `snapkv models` prints for it is taken too
+        return EMBEDDED_NAME, str(convert_gguf(embedded_gguf_path(), on_convert))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"no such GGUF file: {spec}")
+        return path.stem, str(convert_gguf(path, on_convert))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
+        return path.name, str(path)
+    if path.exists():
+        raise ModelNotFoundError(f"{spec} is a file but not a .gguf model; pass a .gguf file, a model folder or a Hub id")
+    return spec, spec
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as error:
+        raise ConfigError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from error
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda was asked for, but no CUDA GPU is available")
+    return chosen
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def cpu_has_bf16_units() -> bool:
+    """True if the CPU multiplies bf16 natively (AMX or AVX512-BF16): Linux's /proc/cpuinfo flags."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 on GPU; on CPU bf16 where the CPU has bf16 units (prefill measured 2.5x faster than
+    fp32 there, see benchmarks/cpu_dtype.py), else fp32."""
+    if dtype == "auto":
+        if device.type == "cuda" or cpu_has_bf16_units():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}: use auto, float32, bfloat16 or float16")
+    return DTYPES[dtype]
+
+
+def pick_attention(device: torch.device) -> str:
+    """flash_attention_2 on CUDA when flash-attn is installed; on CPU sdpa with decoding in 16 bits by plain
+    matmuls (snapkv.modeling.cpu_attention: sdpa's bf16 kernel is slow for one query); else PyTorch's sdpa."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    if device.type == "cpu":
+        from snapkv.modeling import cpu_attention
+
+        return cpu_attention.NAME
+    return "sdpa"
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto",
+               device_map: str | None = None, on_convert: Callable[[int, int], None] | None = None,
+               block_weights: bool = True) -> LoadedModel:
+    """Load a model for snapkv. Raises ModelNotFoundError or UnsupportedModelError with a clear message.
+
+    device_map: spread the layers over the GPUs (and CPU) with accelerate ("auto", "balanced", ...), for
+    models larger than one device; each layer's cache then lives on that layer's device.
+    on_convert: progress of a GGUF file's one-time conversion (the embedded model's first load).
+    block_weights: on CPU in fp32, decode from the weights' exact 4/8-bit blocks where they are such blocks
+    (a GGUF's Q4_1/Q8_0 matrices; snapkv.modeling.block_weights). False: read the fp32 weights, to measure against.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
+
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise ConfigError(f"unknown device map {device_map!r}: use {', '.join(DEVICE_MAPS)}")
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    name, source = resolve_model_source(spec, on_convert)
+    transformers_logging.disable_progress_bar()  # loading takes seconds; its per-tensor bar is noise
+    placement = {"device_map": device_map} if device_map else {}
+    try:  # local_files_only: a Hub id resolves from the local Hugging Face cache, never from the network
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch_dtype, attn_implementation=pick_attention(torch_device), local_files_only=True,
+            **placement
+        )
+    except OSError as error:
+        raise ModelNotFoundError(
+            f"model {spec!r} is not a model folder, a .gguf file, or a model in the local Hugging Face cache, and "
+            "snapkv never downloads. `snapkv models` lists the models that can be used here; to use a Hub model, "
+            f"download it first (hf download {spec}) or pass its folder."
+        ) from error
+    check_supported(model)
+    if device_map:
+        torch_device = model.get_input_embeddings().weight.device  # where prompts enter the model
+    else:
+        model.to(torch_device)
+    model.eval()
+    weights = "as loaded"
+    if block_weights and torch_device.type == "cpu" and torch_dtype == torch.float32 and not device_map:
+        from snapkv.modeling.block_weights import use_block_weights
+
+        weights = use_block_weights(model, saved_in=Path(source) if _converted_here(source) else None).describe()
+    return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights)
+
+
+def _converted_here(source: str) -> bool:
+    """Whether a model folder is one snapkv converted (under its home's models/, itself or by a link)."""
+    path, home = Path(source), models_dir()
+    return path.absolute().is_relative_to(home.absolute()) or path.resolve().is_relative_to(home.resolve())
+
+
+def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto",
+                         tokenizer: str | None = None) -> LoadedModel:
+    """A model of a real shape (a config.json) with random weights, for speed and memory only.
+
+    tokenizer: a folder with tokenizer files to make the prompts; default the embedded model's. Answers
+    are meaningless. Refused before any allocation when the weights alone would not fit in free memory.
+    """
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(config_file).expanduser()
+    try:
+        values = json.loads(path.read_text())
+        config = AutoConfig.for_model(**values)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelNotFoundError(f"{config_file}: not a readable model config ({error})") from error
+    torch_device = pick_device(device)
+    torch_dtype = pick_dtype(dtype, torch_device)
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    needed = parameters * torch.empty((), dtype=torch_dtype).element_size()
+    free = free_bytes(torch_device)
+    if needed > USABLE_SHARE * free:
+        raise OutOfMemoryError(
+            f"{path.name}: {parameters / 1e9:.1f}B parameters need {needed / 2**30:.1f} GiB in {torch_dtype}, "
+            f"and only {free / 2**30:.1f} GiB is free on {torch_device}; use a GPU or a smaller shape"
+        )
+    torch.manual_seed(0)
+    with torch_device:  # initialised where it will run, not copied there
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
+                                                 attn_implementation=pick_attention(torch_device))
+    check_supported(model)
+    model.eval()
+    try:
+        tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1], local_files_only=True)
+    except OSError as error:
+        raise ModelNotFoundError(f"tokenizer {tokenizer!r}: not a folder of tokenizer files ({error})") from error
+    return LoadedModel(model, tokens, f"{path.stem} (random weights)", torch_device, torch_dtype)
+
+
+class ModelPool:
+    """The model last asked for, kept loaded between commands (`snapkv serve`): asking again with the same
+    settings costs nothing; other settings load the other model in its place."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._loaded: LoadedModel | None = None
+
+    def get(self, spec: str | None = None, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+            on_convert: Callable[[int, int], None] | None = None) -> LoadedModel:
+        key = (spec or os.environ.get("SNAPKV_MODEL") or None, device, dtype, device_map)
+        if key != self._key or self._loaded is None:
+            self._key, self._loaded = None, None  # the old model can be freed before the new one loads
+            self._loaded = load_model(spec, device=device, dtype=dtype, device_map=device_map, on_convert=on_convert)
+            self._key = key
+        return self._loaded
+
+
+MODEL_POOL: ModelPool | None = None  # set by `snapkv serve`: commands it runs load their model from here

@@ -1,0 +1,205 @@
+"""One decoded token through every layer in one C call (snapkv/native/kernels/decode_step.c), for a plain Llama-family
+model on CPU in fp32 whose projections are 4/8-bit blocks (snapkv.modeling.block_weights: the embedded model).
+
+snapkv.engine.lean_decode already writes one token's forward as the few PyTorch calls it needs, but on a 2-core CPU
+those ~35 calls per layer, and sdpa's attention for one query row (a kernel made for many rows), still cost
+more than reading the weights. Here the layers run without Python between them: norms, RoPE, the cache write,
+the attention and the SiLU in C, the products by the same block kernels as before. The same formulas, summed in
+another order: logits agree with the lean step within rounding (tests/test_native_decode.py), greedy answers
+token for token in the tests and on the needle grid.
+
+QuestionLayers does the same for a question's rows around each layer's attention (the attention, the cache write and
+the cut stay snapkv.engine.lean_decode.question_pass's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
+
+Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, every
+layer presized in fp32 with room, fused q/k/v and gate/up blocks, no biases, the kernels available); else the lean
+step, as before. The C call writes each token into the presized buffers' next slot; `sync` points the
+PresizedLayers' views at what is written (before the lean step takes over from it).
+"""
+
+import ctypes
+
+import torch
+
+from snapkv import native
+from snapkv.engine import lean_decode
+from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
+from snapkv.modeling.presized import PresizedLayer
+
+ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
+
+
+def _matrix(blocks: Blocks) -> native.BlockMatrix:
+    """The C view of `blocks`, its shape as its scales give it (decode_token checks it against the model's)."""
+    minimum = blocks.minimum.data_ptr() if blocks.minimum is not None else None
+    outputs, block_count = blocks.scale.shape
+    return native.BlockMatrix(blocks.bits, blocks.codes.data_ptr(), blocks.scale.data_ptr(), minimum, outputs,
+                        block_count * 32)
+
+
+def _contiguous(blocks: Blocks) -> bool:
+    return all(part is None or part.is_contiguous() for part in (blocks.codes, blocks.scale, blocks.minimum))
+
+
+def _plain_blocks(linear: torch.nn.Module) -> Blocks | None:
+    return linear.blocks if isinstance(linear, BlockLinear) and linear.bias is None else None
+
+
+def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
+    """A PresizedLayer over contiguous fp32 buffers (1, kv_heads, capacity, head_dim) (decode_token checks the room)."""
+    if type(layer) is not PresizedLayer:
+        return False
+    return all(buffer.dtype == torch.float32 and buffer.is_contiguous() and buffer.shape[0] == 1
+               and tuple(buffer.shape[1::2]) == (kv_heads, head_dim) for buffer in layer.buffers)
+
+
+class NativeDecoder:
+    """decode_token over one answer's presized cache; build with for_cache."""
+
+    def __init__(self, model, cache, layers: list[native.DecoderLayer], shape: native.DecoderShape,
+                 cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
+        self._model, self._cache = model, cache
+        self._layers = (native.DecoderLayer * len(layers))(*layers)
+        self._shape = shape
+        self._cos, self._sin = cos, sin  # (positions, head_dim) from first_position on
+        self._first_position = first_position
+        self._hidden = torch.empty(shape.hidden)
+        # the tensors the C side reads and writes, kept alive as long as the pointers are
+        self._kept = [layer.buffers for layer in cache.layers]
+
+    @torch.inference_mode()
+    def step(self, token: int, position: int) -> torch.Tensor | None:
+        """Append `token` at `position`; the next logits (vocab,), or None when a layer's room is full (nothing
+        written: call sync, then the lean step grows the buffers)."""
+        inner = self._model.model
+        index = position - self._first_position
+        if 0 <= index < self._cos.shape[0]:
+            cos, sin = self._cos[index], self._sin[index]
+        else:
+            cos, sin = _rotary(self._model, position, 1)
+            cos, sin = cos[0], sin[0]
+        self._hidden.copy_(inner.embed_tokens.weight[token])
+        status = native.kernels().decode_token(
+            ctypes.byref(self._shape), self._layers, len(self._layers), self._hidden.data_ptr(), cos.data_ptr(),
+            sin.data_ptr(), torch.get_num_threads())
+        if status == ROOM_EXHAUSTED:
+            return None
+        if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
+            raise MemoryError("the C decode step ran out of memory (or refused the model's weight blocks)")
+        hidden = self._hidden.view(1, 1, -1)
+        return self._model.lm_head(lean_decode.rms_norm(inner.norm, hidden))[0, -1]
+
+    def sync(self) -> None:
+        """Point every PresizedLayer's views at the slots the C calls have filled."""
+        for layer, written in zip(self._cache.layers, self._layers):
+            layer.written_to(written.filled)
+
+
+def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (count, head_dim) contiguous fp32, for positions first_position.. from the model's own
+    rotary module (so its scaling, e.g. Llama 3's, is the model's)."""
+    inner = model.model
+    positions = torch.arange(first_position, first_position + count).unsqueeze(0)  # (1, count)
+    probe = inner.embed_tokens.weight[:1].unsqueeze(0)  # (1, 1, hidden): dtype and device for the module
+    cos, sin = inner.rotary_emb(probe, positions)  # (1, count, head_dim) each
+    return cos[0].float().contiguous(), sin[0].float().contiguous()
+
+
+def _model_layers(model) -> tuple[native.DecoderShape, list[native.DecoderLayer]] | None:
+    """The C view of every decoder layer (norms and blocks; no cache buffers yet) and the model's shape, or None where
+    the layers are not ones the C code takes (embeddings not fp32, projections not fused 4/8-bit blocks without
+    biases, norms of other dtypes or epsilons, a head size not a multiple of 8). The callers check the rest
+    (lean_decode.qualifies: a plain Llama-family model on CPU)."""
+    if native.unavailable_reason() is not None:
+        return None
+    config, inner = model.config, model.model
+    decoder_layers = inner.layers
+    if inner.embed_tokens.weight.dtype != torch.float32:
+        return None
+    attention = decoder_layers[0].self_attn
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim, hidden, intermediate = attention.head_dim, config.hidden_size, config.intermediate_size
+    if head_dim % 8 or heads % kv_heads:
+        return None
+    layers = []
+    for decoder_layer in decoder_layers:
+        attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
+        qkv, gate_up = fused_blocks(attention, lean_decode.QKV), fused_blocks(mlp, lean_decode.GATE_UP)
+        o, down = _plain_blocks(attention.o_proj), _plain_blocks(mlp.down_proj)
+        norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
+        if (None in (qkv, gate_up, o, down) or not all(map(_contiguous, (qkv, gate_up, o, down)))
+                or any(norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms)
+                or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
+                or norms[1].variance_epsilon != norms[0].variance_epsilon):
+            return None
+        layers.append(native.DecoderLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
+                                    _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down)))
+    shape = native.DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
+                          decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
+    return shape, layers
+
+
+@torch.inference_mode()
+def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
+    """A NativeDecoder for `steps` tokens from `first_position` over `cache` (its layers presized), or None where
+    the model or the cache is not one it takes: then the lean step decodes."""
+    if native.unavailable_reason() is not None or not lean_decode.qualifies(model, cache) or steps < 1:
+        return None
+    config = model.config
+    if len(model.model.layers) != len(cache.layers):
+        return None
+    found = _model_layers(model)
+    if found is None:
+        return None
+    shape, layers = found
+    for layer, cache_layer in zip(layers, cache.layers):
+        if not _buffers_fit(cache_layer, config.num_key_value_heads, shape.head_dim):
+            return None
+        layer.keys, layer.values = (buffer.data_ptr() for buffer in cache_layer.buffers)
+        layer.capacity, layer.filled = cache_layer.buffers[0].shape[2], cache_layer.filled
+    cos, sin = _rotary(model, first_position, steps)
+    return NativeDecoder(model, cache, layers, shape, cos, sin, first_position)
+
+
+class QuestionLayers:
+    """A question's rows through each layer's parts before and after its attention in C
+    (snapkv/native/kernels/decode_step.c's question_before_attention / question_after_attention: norms, the fused
+    products, RoPE and the SiLU as decode_token computes them), for snapkv.engine.lean_decode.question_pass; build with
+    question_layers. The attention, the cache write and the cut stay the pass's own."""
+
+    def __init__(self, shape: native.DecoderShape, layers: list[native.DecoderLayer]) -> None:
+        self._shape = shape
+        self._layers = layers
+
+    def before(self, index: int, hidden: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """hidden (1, q, hidden) fp32 contiguous; cos, sin (1, q, head_dim) -> normed (1, q, hidden), query
+        (1, heads, q, head_dim) with RoPE, key (1, kv_heads, q, head_dim) with RoPE, value (1, kv_heads, q,
+        head_dim)."""
+        shape, rows = self._shape, hidden.shape[1]
+        normed = torch.empty(1, rows, shape.hidden)
+        query = torch.empty(1, shape.heads, rows, shape.head_dim)
+        key, value = (torch.empty(1, shape.kv_heads, rows, shape.head_dim) for _ in range(2))
+        cos, sin = cos.contiguous(), sin.contiguous()
+        if native.kernels().question_before_attention(
+                ctypes.byref(shape), ctypes.byref(self._layers[index]), rows, hidden.data_ptr(), cos.data_ptr(),
+                sin.data_ptr(), normed.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
+                torch.get_num_threads()) != 0:
+            raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
+        return normed, query, key, value
+
+    def after(self, index: int, attended: torch.Tensor, hidden: torch.Tensor) -> None:
+        """hidden (1, q, hidden) in place: plus the attention's projection, then plus the MLP's output; attended
+        (1, q, heads * head_dim)."""
+        attended = attended.contiguous()
+        if native.kernels().question_after_attention(
+                ctypes.byref(self._shape), ctypes.byref(self._layers[index]), hidden.shape[1], attended.data_ptr(),
+                hidden.data_ptr(), torch.get_num_threads()) != 0:
+            raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
+
+
+def question_layers(model) -> QuestionLayers | None:
+    """QuestionLayers for `model`, or None where its layers are not ones the C parts take (lean_decode's
+    question_pass then computes them with PyTorch's ops)."""
+    found = _model_layers(model)
+    return QuestionLayers(*found) if found is not None else None

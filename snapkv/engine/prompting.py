@@ -1,0 +1,121 @@
+"""Turn a document and questions into token ids, split so the document part is prefilled once.
+
+The model's chat template is rendered once with placeholders, then cut around them:
+
+    [template head + instruction + document] | [question + template tail (assistant turn start)]
+              context ids                                   question ids
+
+Template text is tokenized with its control tokens; document and question text are tokenized
+with special tokens split, so a document containing "<|im_start|>" stays plain text.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from snapkv.base.errors import DocumentError
+from snapkv.compression.config import DEFAULT_SYSTEM
+
+_DOCUMENT_SLOT = "\x00SNAPKV_DOCUMENT\x00"
+_QUESTION_SLOT = "\x00SNAPKV_QUESTION\x00"
+INSTRUCTION = "Answer the question using the document below.\n\n<document>\n"
+USER_MESSAGE = f"{INSTRUCTION}{_DOCUMENT_SLOT}\n</document>\n\nQuestion:{_QUESTION_SLOT}"
+PLAIN_TEMPLATE = f"{USER_MESSAGE}\nAnswer:"
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """The rendered chat template around the document and question slots."""
+
+    head: str    # before the document
+    middle: str  # between the document and the question
+    tail: str    # after the question: end of the user turn, start of the assistant turn
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, system: str = DEFAULT_SYSTEM) -> "PromptTemplate":
+        """The template with `system` as its system message ("" for the template's own default)."""
+        user = [{"role": "user", "content": USER_MESSAGE}]
+        if getattr(tokenizer, "chat_template", None):
+            render = partial(tokenizer.apply_chat_template, tokenize=False, add_generation_prompt=True)
+            try:
+                rendered = render(([{"role": "system", "content": system}] if system else []) + user)
+            except Exception:  # a template without a system role: the message opens the user's turn instead
+                rendered = render([{"role": "user", "content": f"{system}\n\n{USER_MESSAGE}"}])
+        else:
+            rendered = (f"{system}\n\n" if system else "") + PLAIN_TEMPLATE
+        head, rest = rendered.split(_DOCUMENT_SLOT)
+        middle, tail = rest.split(_QUESTION_SLOT)
+        return cls(head, middle, tail)
+
+
+def _template_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids if text else []
+
+
+def _plain_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids if text else []
+
+
+class Prompter:
+    """One tokenizer's chat template with one system message, rendered and tokenized once, turning documents and
+    questions into ids."""
+
+    def __init__(self, tokenizer, system: str = DEFAULT_SYSTEM) -> None:
+        template = PromptTemplate.for_tokenizer(tokenizer, system)
+        self.tokenizer = tokenizer
+        self.system = system
+        self.head_ids = _template_ids(tokenizer, template.head)
+        self.middle_ids = _template_ids(tokenizer, template.middle)
+        self.tail_ids = _template_ids(tokenizer, template.tail)
+
+    @property
+    def overhead(self) -> int:
+        """Template tokens around the document in the context ids."""
+        return len(self.head_ids) + len(self.middle_ids)
+
+    def document_ids(self, document: str) -> list[int]:
+        """The document's own tokens, as plain text."""
+        return _plain_ids(self.tokenizer, document)
+
+    def plain_ids(self, text: str) -> list[int]:
+        """Any text's tokens, control tokens in it kept as text."""
+        return _plain_ids(self.tokenizer, text)
+
+    def document_span(self, context_length: int) -> range:
+        """Where the document sits in context ids of this length: between the template's head and middle."""
+        return range(len(self.head_ids), context_length - len(self.middle_ids))
+
+    def context_ids(self, document: str | list[int]) -> torch.Tensor:
+        """(n,) ids of everything before the question: template head, instruction, document, middle."""
+        if not isinstance(document, list):
+            document = self.document_ids(document)
+        if not document:
+            raise DocumentError("the document has no text to ask about")
+        return torch.tensor(self.head_ids + document + self.middle_ids, dtype=torch.long)
+
+    def question_ids(self, question: str, answer_prefix: str = "") -> torch.Tensor:
+        """(q,) ids of the question, the end of the user turn and the start of the answer.
+
+        answer_prefix starts the assistant's reply (e.g. "The special magic number is"), which small
+        models follow well.
+        """
+        if not question.strip():
+            raise DocumentError("the question is empty")
+        ids = _plain_ids(self.tokenizer, " " + question.strip()) + self.tail_ids
+        ids += _plain_ids(self.tokenizer, answer_prefix)
+        return torch.tensor(ids, dtype=torch.long)
+
+
+# One-off conveniences (each renders the template again; a Session keeps one Prompter).
+
+def document_ids(tokenizer, document: str) -> list[int]:
+    return _plain_ids(tokenizer, document)
+
+
+def context_ids(tokenizer, document: str | list[int]) -> torch.Tensor:
+    return Prompter(tokenizer).context_ids(document)
+
+
+def question_ids(tokenizer, question: str, answer_prefix: str = "") -> torch.Tensor:
+    return Prompter(tokenizer).question_ids(question, answer_prefix)

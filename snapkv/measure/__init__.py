@@ -1,0 +1,1 @@
+"""Measurements through the front door (snapkv.session): bench, eval, fidelity, the decode floor."""

@@ -1,0 +1,334 @@
+/* One decoded token through every layer of a plain Llama-family decoder whose projections are 4/8-bit blocks
+ * (snapkv.modeling.block_weights), in one call: no Python between the layers (snapkv/engine/native_decode.py).
+ *
+ * Each layer, as transformers' LlamaDecoderLayer computes it for one token:
+ *   normed = RMSNorm(hidden)                      x * 1/sqrt(mean(x^2) + eps), times the norm's weight
+ *   q, k, v = normed @ [Wq; Wk; Wv]^T             one product over the fused blocks, q then k then v
+ *   q, k = q * cos + rotate_half(q) * sin, ...    RoPE at the token's position (cos, sin given, head_dim each)
+ *   k, v written into the layer's cache buffers   slot `filled`, which then grows by one
+ *   a = softmax(q . K^T * scaling) @ V            query head h reads KV head h / (heads / kv_heads)
+ *   hidden += a @ Wo^T
+ *   normed = RMSNorm(hidden)
+ *   gate, up = normed @ [Wgate; Wup]^T
+ *   hidden += (silu(gate) * up) @ Wdown^T
+ * The same formulas in fp32, summed in another order (so logits agree within rounding, not to the bit); exp
+ * for the softmax and SiLU is simd.h's polynomial.
+ *
+ * Cache buffers: (kv_heads, capacity, head_dim) fp32 per layer, rows [0, filled) held. When any layer is full
+ * nothing is written and -2 is returned (the caller grows the buffers); -1, also before anything is written, for
+ * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
+ * OpenMP threads inside each product and the attention. head_dim a multiple of 8. */
+#include "vectors.h"
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+/* y (m->outputs) = x (m->inputs) @ W^T for one row: the block kernel (snapkv/native/kernels/blockwise_matmul.c). */
+static int product(const block_matrix *m, const float *x, float *y, int threads) {
+    if (m->bits == 4) return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
+    if (m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
+    return -1;
+}
+
+/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: one row by product(), a question's rows by
+ * snapkv/native/kernels/few_rows.c's kernel. */
+static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
+    if (rows == 1) return product(m, x, y, threads);
+    return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
+}
+
+/* Whether m multiplies `inputs` values into `outputs`, in a form product() takes. */
+static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
+    return ((m->bits == 4 && m->minimum) || m->bits == 8) && m->codes && m->scale && m->inputs == inputs
+           && m->outputs == outputs && inputs % 32 == 0;
+}
+
+static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
+    __m256 squares = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    float total = lane_sum(squares);
+    for (; j < n; j++) total += x[j] * x[j];
+    const float inverse = 1.0f / sqrtf(total / (float)n + eps);
+    for (j = 0; j < n; j++) out[j] = weight[j] * (x[j] * inverse);
+}
+
+/* v (head_dim) in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[half:], v[:half]). */
+static void rotate_into(const float *v, const float *cos, const float *sin, int64_t head_dim, float *out) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float first = v[i], second = v[i + half];
+        out[i] = first * cos[i] - second * sin[i];
+        out[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+}
+
+static void rotate(float *v, const float *cos, const float *sin, int64_t head_dim) {
+    rotate_into(v, cos, sin, head_dim, v);
+}
+
+/* RoPE for a question's rows of one projection, as transformers' apply_rotary_pos_emb computes it (each product
+ * rounded, then the sum: with rotate_half's negation, the same bits): x (rows, heads, head_dim), the projection's
+ * output; cos, sin (rows, head_dim); out (heads, rows, head_dim), the layout attention reads. Returns 0, or -1 for an
+ * odd head_dim. */
+int rope_rows(const float *x, int64_t rows, int64_t heads, int64_t head_dim, const float *cos, const float *sin,
+              float *out) {
+    if (head_dim < 2 || head_dim % 2) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++)
+            rotate_into(x + (r * heads + h) * head_dim, cos + r * head_dim, sin + r * head_dim, head_dim,
+                        out + (h * rows + r) * head_dim);
+    return 0;
+}
+
+/* [sum(a0), ..., sum(a7)]: the lanes of each of eight vectors added. */
+static inline __m256 eight_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                __m256 a7) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+#define ROWS_AHEAD 8  /* keys or values ahead of the one read that the attention prefetches */
+
+/* scores[t] = query . keys[t] for t in [first, end); keys `head_dim` floats apart. */
+static void dot_keys(const float *query, const float *keys, int64_t first, int64_t end, int64_t head_dim,
+                     float *scores) {
+    int64_t t = first;
+    for (; t + 8 <= end; t += 8) {
+        const float *k = keys + t * head_dim;
+        prefetch_bytes(k + ROWS_AHEAD * head_dim, 8 * head_dim * (int64_t)sizeof(float));
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t c = 0; c < head_dim; c += 8) {
+            const __m256 q = _mm256_loadu_ps(query + c);
+            a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + c), a0);
+            a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + head_dim + c), a1);
+            a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * head_dim + c), a2);
+            a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * head_dim + c), a3);
+            a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 4 * head_dim + c), a4);
+            a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 5 * head_dim + c), a5);
+            a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 6 * head_dim + c), a6);
+            a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 7 * head_dim + c), a7);
+        }
+        _mm256_storeu_ps(scores + t, eight_sums(a0, a1, a2, a3, a4, a5, a6, a7));
+    }
+    for (; t < end; t++) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t c = 0; c < head_dim; c += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), _mm256_loadu_ps(keys + t * head_dim + c), a);
+        scores[t] = lane_sum(a);
+    }
+}
+
+#define CHUNK 128       /* keys per task: a chunk of one KV head's keys or values stays in L1 for its whole group */
+#define VALUE_ROWS 3    /* query heads summed together over a chunk of values (a register tile of 3 x 32 channels) */
+
+/* target[i * target_stride + 0 .. 8 * blocks] = sum over t in [first, end) of w[i][t] * v[(t - first) * head_dim + ..]
+ * for i < live: `blocks` (4 or 1) vectors of 8 channels, 3 rows, 12 (or 3) independent sums in registers. */
+static inline void weigh_values(const float *const w[VALUE_ROWS], const float *v, int64_t first, int64_t end,
+                                int64_t head_dim, const int blocks, int64_t live, float *target,
+                                int64_t target_stride) {
+    __m256 sums[VALUE_ROWS][4];
+    for (int i = 0; i < VALUE_ROWS; i++)
+        for (int b = 0; b < 4; b++) sums[i][b] = _mm256_setzero_ps();
+    for (int64_t t = first; t < end; t++, v += head_dim) {
+        prefetch_bytes(v + ROWS_AHEAD * head_dim, 8 * blocks * (int64_t)sizeof(float));
+        for (int b = 0; b < blocks; b++) {
+            const __m256 row = _mm256_loadu_ps(v + 8 * b);
+            for (int i = 0; i < VALUE_ROWS; i++)
+                sums[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), row, sums[i][b]);
+        }
+    }
+    for (int i = 0; i < live; i++)
+        for (int b = 0; b < blocks; b++) _mm256_storeu_ps(target + i * target_stride + 8 * b, sums[i][b]);
+}
+
+/* Scratch floats attend_one needs for `tokens` keys. */
+static int64_t attention_scratch(int64_t heads, int64_t head_dim, int64_t tokens) {
+    return heads * tokens + ((tokens + CHUNK - 1) / CHUNK) * heads * head_dim;
+}
+
+/* out (heads, head_dim) = softmax(query . K^T) @ V per query head; query already scaled. keys, values: per KV head
+ * `tokens` rows, heads `head_stride` floats apart. scratch: attention_scratch floats. Each chunk of keys and of
+ * values is read from memory once for all the query heads of its KV head; the values' chunks give partial sums,
+ * added up at the end. */
+static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int64_t head_dim, const float *keys,
+                       const float *values, int64_t head_stride, int64_t tokens, float *scratch, float *out,
+                       int threads) {
+    const int64_t group = heads / kv_heads, chunks = (tokens + CHUNK - 1) / CHUNK;
+    float *scores = scratch;                   /* (heads, tokens) */
+    float *partial = scratch + heads * tokens; /* (chunks, heads, head_dim) */
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * chunks; task++) {
+            const int64_t kv = task / chunks, first = (task % chunks) * CHUNK;
+            const int64_t end = first + CHUNK < tokens ? first + CHUNK : tokens;
+            for (int64_t h = kv * group; h < (kv + 1) * group; h++)
+                dot_keys(query + h * head_dim, keys + kv * head_stride, first, end, head_dim, scores + h * tokens);
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++) softmax_row(scores + h * tokens, tokens, NULL, 0);
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < kv_heads * chunks; task++) {
+            const int64_t kv = task / chunks, chunk = task % chunks, first = chunk * CHUNK;
+            const int64_t end = first + CHUNK < tokens ? first + CHUNK : tokens;
+            for (int64_t block = 0; block * VALUE_ROWS < group; block++) {
+                const int64_t first_head = kv * group + block * VALUE_ROWS;
+                const int64_t live = group - block * VALUE_ROWS < VALUE_ROWS ? group - block * VALUE_ROWS : VALUE_ROWS;
+                const float *w[VALUE_ROWS];  /* rows past the group's last repeat its first; not stored */
+                for (int i = 0; i < VALUE_ROWS; i++) w[i] = scores + (first_head + (i < live ? i : 0)) * tokens;
+                float *target = partial + (chunk * heads + first_head) * head_dim;
+                const float *v = values + kv * head_stride + first * head_dim;
+                int64_t c = 0;
+                for (; c + 32 <= head_dim; c += 32)
+                    weigh_values(w, v + c, first, end, head_dim, 4, live, target + c, head_dim);
+                for (; c < head_dim; c += 8)
+                    weigh_values(w, v + c, first, end, head_dim, 1, live, target + c, head_dim);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t c = 0; c < head_dim; c += 8) {
+                __m256 total = _mm256_loadu_ps(partial + h * head_dim + c);
+                for (int64_t chunk = 1; chunk < chunks; chunk++)
+                    total = _mm256_add_ps(total, _mm256_loadu_ps(partial + (chunk * heads + h) * head_dim + c));
+                _mm256_storeu_ps(out + h * head_dim + c, total);
+            }
+    }
+}
+
+/* x / (1 + e^-x), the input clamped where e^-x would overflow (the result there is 0 in fp32 anyway). */
+static void silu_times(const float *gate, const float *up, int64_t n, float *out) {
+    const __m256 one = _mm256_set1_ps(1.0f), highest = _mm256_set1_ps(88.0f);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + j);
+        const __m256 e = exp_8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), highest));
+        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + j)));
+    }
+    for (; j < n; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+}
+
+static void add_into(float *hidden, const float *added, int64_t n) {
+    for (int64_t j = 0; j < n; j++) hidden[j] += added[j];
+}
+
+/* The part of a layer after its attention, for `rows` rows: hidden += attended @ Wo^T; then hidden +=
+ * (silu(gate) * up) @ Wdown^T with gate, up = RMSNorm(hidden) @ [Wgate; Wup]^T. attended (rows, heads * head_dim);
+ * hidden (rows, shape->hidden) in and out; added and normed (rows, hidden), gate_up (rows, 2 * intermediate) and
+ * activation (rows, intermediate) its scratch. Returns 0, or -1 (no memory; hidden then as it came, or past the
+ * attention's sum only). */
+static int after_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows, const float *attended,
+                           float *hidden, float *added, float *normed, float *gate_up, float *activation, int threads) {
+    const int64_t n = shape->hidden, inner = shape->intermediate;
+    int status = products(&layer->o, attended, rows, added, threads);
+    if (status == 0) {
+        add_into(hidden, added, rows * n);
+        for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->post_norm, n, shape->norm_eps, normed + r * n);
+        status = products(&layer->gate_up, normed, rows, gate_up, threads);
+    }
+    if (status == 0) {
+        for (int64_t r = 0; r < rows; r++)  /* each row's gate, then its up */
+            silu_times(gate_up + r * 2 * inner, gate_up + r * 2 * inner + inner, inner, activation + r * inner);
+        status = products(&layer->down, activation, rows, added, threads);
+    }
+    if (status == 0) add_into(hidden, added, rows * n);
+    return status;
+}
+
+/* hidden (shape->hidden) in and out: the token's embedding in, the last layer's output (before the final norm)
+ * out. Returns 0, -1 (a matrix it does not take, no memory) or -2 (a cache full: nothing written). */
+int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
+                 const float *cos, const float *sin, int threads) {
+    const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
+    if (d % 8 || kv_heads < 1 || heads % kv_heads) return -1;
+    const int64_t n = shape->hidden, projected = (heads + 2 * kv_heads) * d;
+    int64_t longest = 0;
+    for (int64_t l = 0; l < layer_count; l++) {  /* everything checked before anything is written */
+        const decoder_layer *layer = &layers[l];
+        if (!fits(&layer->qkv, n, projected) || !fits(&layer->o, heads * d, n)
+            || !fits(&layer->gate_up, n, 2 * shape->intermediate) || !fits(&layer->down, shape->intermediate, n))
+            return -1;
+        if (layer->filled >= layer->capacity) return -2;
+        longest = layer->filled + 1 > longest ? layer->filled + 1 : longest;
+    }
+    const int64_t widest = projected > 2 * shape->intermediate ? projected : 2 * shape->intermediate;
+    float *scratch = malloc(sizeof(float) * (size_t)(2 * n + widest + heads * d + shape->intermediate
+                                                     + attention_scratch(heads, d, longest)));
+    if (!scratch) return -1;
+    float *normed = scratch, *added = normed + n, *wide = added + n, *attended = wide + widest;
+    float *activation = attended + heads * d, *attention = activation + shape->intermediate;
+    int status = 0;
+    for (int64_t l = 0; l < layer_count && status == 0; l++) {
+        decoder_layer *layer = &layers[l];
+        rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
+        if ((status = product(&layer->qkv, normed, wide, threads))) break;
+        float *query = wide, *key = wide + heads * d, *value = key + kv_heads * d;
+        for (int64_t h = 0; h < heads; h++) {
+            rotate(query + h * d, cos, sin, d);
+            for (int64_t c = 0; c < d; c++) query[h * d + c] *= shape->scaling;
+        }
+        const int64_t head_stride = layer->capacity * d, slot = layer->filled;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate(key + h * d, cos, sin, d);
+            memcpy(layer->keys + h * head_stride + slot * d, key + h * d, sizeof(float) * (size_t)d);
+            memcpy(layer->values + h * head_stride + slot * d, value + h * d, sizeof(float) * (size_t)d);
+        }
+        layer->filled = slot + 1;
+        attend_one(query, heads, kv_heads, d, layer->keys, layer->values, head_stride, layer->filled, attention,
+                   attended, threads);
+        status = after_attention(shape, layer, 1, attended, hidden, added, normed, wide, activation, threads);
+    }
+    free(scratch);
+    return status;
+}
+
+/* A question's rows through the part of a layer before its attention, as decode_token computes one token's:
+ * hidden (rows, shape->hidden) in; normed = RMSNorm(hidden) (rows, hidden) out; q, k, v = normed @ [Wq; Wk; Wv]^T
+ * with RoPE on q and k at each row's position (cos, sin: (rows, head_dim)), out as query (heads, rows, head_dim),
+ * key and value (kv_heads, rows, head_dim): the layouts the attention and the cache take (query not yet scaled).
+ * Returns 0, or -1 (a matrix of another shape or form, no memory). */
+int question_before_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows, const float *hidden,
+                              const float *cos, const float *sin, float *normed, float *query, float *key,
+                              float *value, int threads) {
+    const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads, n = shape->hidden;
+    const int64_t projected = (heads + 2 * kv_heads) * d;
+    if (d % 8 || kv_heads < 1 || heads % kv_heads || rows < 1 || !fits(&layer->qkv, n, projected)) return -1;
+    float *wide = malloc(sizeof(float) * (size_t)(rows * projected));  /* (rows, q + k + v) */
+    if (!wide) return -1;
+    for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
+    const int status = products(&layer->qkv, normed, rows, wide, threads);
+    for (int64_t r = 0; r < rows && status == 0; r++) {
+        const float *row = wide + r * projected, *row_cos = cos + r * d, *row_sin = sin + r * d;
+        for (int64_t h = 0; h < heads; h++) rotate_into(row + h * d, row_cos, row_sin, d, query + (h * rows + r) * d);
+        for (int64_t h = 0; h < kv_heads; h++) {
+            rotate_into(row + (heads + h) * d, row_cos, row_sin, d, key + (h * rows + r) * d);
+            memcpy(value + (h * rows + r) * d, row + (heads + kv_heads + h) * d, sizeof(float) * (size_t)d);
+        }
+    }
+    free(wide);
+    return status;
+}
+
+/* after_attention for a question's rows, as decode_token computes one token's. Returns 0, or -1 (a matrix of another
+ * shape or form, no memory). */
+int question_after_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
+                             const float *attended, float *hidden, int threads) {
+    const int64_t n = shape->hidden, inner = shape->intermediate, width = shape->heads * shape->head_dim;
+    if (rows < 1 || !fits(&layer->o, width, n) || !fits(&layer->gate_up, n, 2 * inner) || !fits(&layer->down, inner, n))
+        return -1;
+    float *scratch = malloc(sizeof(float) * (size_t)(rows * (2 * n + 3 * inner)));
+    if (!scratch) return -1;
+    const int status = after_attention(shape, layer, rows, attended, hidden, scratch, scratch + rows * n,
+                                       scratch + 2 * rows * n, scratch + rows * (2 * n + 2 * inner), threads);
+    free(scratch);
+    return status;
+}

@@ -1,0 +1,102 @@
+/* Everything snapkv's kernel library exports: its structs, its functions and its limits, in one place. Every .c file
+ * includes this header (so the compiler checks each definition against it), and snapkv/native/__init__.py's BINDINGS table
+ * declares the same functions to ctypes (tests/test_kernel_interface.py checks the two agree).
+ *
+ * Pointers are to C-contiguous arrays in the shapes each function's comment gives; int64_t counts; `threads` the
+ * OpenMP threads to use (ignored by a build without OpenMP). Functions returning int return 0 on success and a
+ * negative number for a shape they do not take (nothing written then, unless the comment says otherwise). */
+#ifndef SNAPKV_KERNELS_H
+#define SNAPKV_KERNELS_H
+
+#include <stdint.h>
+
+/* ---- limits (library.c exports them to Python) ---- */
+#define SNAPKV_MAX_ROWS 64                  /* rows of activations a block product takes at once */
+#define SNAPKV_MAX_ATTENTION_HEAD_DIM 256   /* head_dim of the attention kernels' register tiles */
+#define SNAPKV_MAX_STORED_HEAD_DIM 1024     /* head_dim a saved cache's rows are restored at */
+#define SNAPKV_MAX_PARTS 2                  /* parts of a saved layer (a sharper share and the rest) */
+extern const int64_t snapkv_max_rows, snapkv_max_attention_head_dim, snapkv_max_stored_head_dim, snapkv_max_parts;
+
+/* ---- the build (library.c) ---- */
+const char *kernel_variant(void);  /* "avx512", "avx2" or "generic" */
+int kernel_threads(void);          /* 1 where built with OpenMP, else 0 (one thread) */
+int wide_vectors(int request);     /* the 16-lane functions: 1/0 to choose (where they run), -1 to ask */
+
+/* ---- structs (decode_step.c) ---- */
+typedef struct {
+    int64_t bits;          /* 4 or 8 */
+    const void *codes;     /* as blockwise_matmul.c reads them */
+    const float *scale;
+    const float *minimum;  /* 4-bit only */
+    int64_t outputs, inputs;
+} block_matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* (hidden) */
+    block_matrix qkv, o, gate_up, down;
+    float *keys, *values;                 /* (kv_heads, capacity, head_dim) */
+    int64_t capacity, filled;
+} decoder_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, intermediate;
+    float norm_eps, scaling;
+} decoder_shape;
+
+/* ---- products with weights in 4/8-bit blocks (blockwise_matmul.c) and fp32 (few_rows.c) ---- */
+int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                const float *minimum, int64_t n, float *y, int threads);
+int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
+                float *y, int threads);
+int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y, int threads);
+int linear_rows_blocks(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes, const float *scale,
+                       const float *minimum, int64_t n, float *y, int threads);
+
+/* ---- a question's attention (few_rows.c over fp32 rows, coded_attention.c over a saved layer's codes) ---- */
+int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                const float *keys, int64_t key_head_stride, const float *values, int64_t value_head_stride,
+                int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out,
+                int64_t window, float *window_sums, int threads);
+int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                         int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
+                         int64_t rotation_block, int values_rotated, const float *question_keys,
+                         const float *question_values, const uint8_t *sharp, int kernel, int pooling,
+                         int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
+                         float *keys_out, float *values_out, int threads);
+
+/* ---- a decoded token and a question's layers (decode_step.c) ---- */
+int rope_rows(const float *x, int64_t rows, int64_t heads, int64_t head_dim, const float *cos, const float *sin,
+              float *out);
+int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
+                 const float *cos, const float *sin, int threads);
+int question_before_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows, const float *hidden,
+                              const float *cos, const float *sin, float *normed, float *query, float *key,
+                              float *value, int threads);
+int question_after_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
+                             const float *attended, float *hidden, int threads);
+
+/* ---- SnapKV's cut (window_cut.c) ---- */
+int window_scores(const float *weights, int64_t kv_heads, int64_t group, int64_t window, int64_t columns,
+                  int64_t head_stride, int64_t group_stride, int64_t row_stride, int kernel, int pooling,
+                  float *scores, int threads);
+int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t keep, int64_t window,
+                  int64_t *indices, int threads);
+int gather_rows(const uint8_t *states, int64_t heads, int64_t head_stride, int64_t rows, int64_t row_bytes,
+                const int64_t *indices, int64_t count, uint8_t *out, int threads);
+
+/* ---- a saved cache's rows restored (dequantize.c) ---- */
+int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t heads,
+                    int64_t tokens, int64_t head_dim, int bits, int along_tokens, int64_t group,
+                    int64_t rotation_block, const int64_t *destination, void *out, int out_kind, int threads);
+int dequantize_positions(const void *const *part_pointers, const int64_t *part_shapes, int parts,
+                         const int64_t *column_of, int64_t heads, int64_t stored, int64_t head_dim,
+                         const int64_t *positions, int64_t kept, const float *question_rows, int64_t question,
+                         float *out, int threads);
+int64_t mask_positions(const uint8_t *mask, int64_t heads, int64_t length, int64_t bytes, int64_t *positions,
+                       int64_t count);
+int part_rows(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t room, int64_t *high, int64_t high_count,
+              int64_t *low, int64_t low_count);
+void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns);
+int half_all_finite(const uint16_t *const *arrays, const int64_t *counts, int64_t parts);
+
+#endif

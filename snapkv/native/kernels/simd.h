@@ -1,0 +1,118 @@
+/* SIMD helpers shared by snapkv's C kernels (written in AVX2 and FMA intrinsics; vectors.h says what they are in each
+ * variant): a transpose, lane reductions, exp and a softmax row. */
+#ifndef SNAPKV_SIMD_H
+#define SNAPKV_SIMD_H
+
+#include "kernels.h"
+#include "vectors.h"
+#include <math.h>
+#include <stdint.h>
+
+/* The 16-lane functions: compiled for AVX-512 in the avx512 variant, called only where wide_vectors(-1)
+ * (snapkv/native/kernels/blockwise_matmul.c) says the CPU has it; plain C in the others (vectors.h). */
+#if SNAPKV_WIDE_EMULATED
+#define WIDE
+#elif defined(__clang__) && __clang_major__ >= 18  /* clang 18 splits the 512-bit registers out as evex512 */
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,evex512")))
+#else
+#define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#endif
+
+/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
+static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * dst_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * dst_stride, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+    }
+}
+
+/* Asks for the cache lines of [start, start + bytes) to be loaded (a hint: never faults, even past an end).
+ * Always inlined: a call of it that GCC does not inline is found to have no effect and dropped. */
+__attribute__((always_inline)) static inline void prefetch_bytes(const void *start, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)start + line, _MM_HINT_T0);
+}
+
+/* e^x for 8 lanes (x = n ln 2 + r, then a polynomial in r); 0 below -87.3, where expf underflows. */
+static inline __m256 exp_8(__m256 x) {
+    const __m256 lowest = _mm256_set1_ps(-87.3f);
+    const __m256 underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lowest);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
+}
+
+static inline float largest_lane(__m256 v) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+static inline float lane_sum(__m256 v) {
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+/* The largest of row[0..count): vectors of 8 then the rest (a maximum is exact: any order gives the same). */
+static inline float row_maximum(const float *row, int64_t count) {
+    __m256 high = _mm256_set1_ps(-INFINITY);
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) high = _mm256_max_ps(high, _mm256_loadu_ps(row + j));
+    float top = largest_lane(high);
+    for (; j < count; j++) top = row[j] > top ? row[j] : top;
+    return top;
+}
+
+/* In place: row[j] = e^(row[j] - top); returns their sum (8 lanes, then the rest in order). */
+static inline float row_exponentials(float *row, int64_t tokens, float top) {
+    const __m256 shift = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) {
+        const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+        _mm256_storeu_ps(row + j, e);
+        total = _mm256_add_ps(total, e);
+    }
+    float sum = lane_sum(total);
+    for (; j < tokens; j++) {
+        row[j] = expf(row[j] - top);
+        sum += row[j];
+    }
+    return sum;
+}
+
+/* One row of scores in place: the last `question` columns get tail_mask added (question 0: none), then the
+ * softmax. */
+static inline void softmax_row(float *row, int64_t tokens, const float *tail_mask, int64_t question) {
+    for (int64_t j = 0; j < question; j++) row[tokens - question + j] += tail_mask[j];
+    const float inverse = 1.0f / row_exponentials(row, tokens, row_maximum(row, tokens));
+    const __m256 vector_inverse = _mm256_set1_ps(inverse);
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) _mm256_storeu_ps(row + j, _mm256_mul_ps(_mm256_loadu_ps(row + j), vector_inverse));
+    for (; j < tokens; j++) row[j] *= inverse;
+}
+
+#endif

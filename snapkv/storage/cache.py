@@ -1,0 +1,188 @@
+"""CompressedCache: a prompt's KV cache after SnapKV, independent of transformers' Cache classes."""
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from snapkv.base.bits import Bits
+from snapkv.compression.config import Tier
+from snapkv.storage.deferred import StoredLayers, restoring_layers
+from snapkv.storage.quantize import dequantize, quantize, quantize_mixed, storage_dtype, stored_schemes
+
+
+@dataclass
+class CompressedCache:
+    """Per-layer keys and values (RoPE applied), which prompt positions they hold, and the prompt length.
+
+    keys[i], values[i]: (kv_heads, kept_i, head_dim); a cache loaded deferred (snapkv.storage.cachefile.load_cache) holds
+                        StoredLayers here: its layers stay in their stored bits, and each question's pass restores
+                        them one at a time (snapkv.storage.deferred); reading an item restores that layer
+    positions[i]:       (kv_heads, kept_i) int64, ascending original positions of the kept entries
+    original_length:    tokens in the prompt; whatever follows it is placed from this position on
+    token_ids:          (original_length,) int64, the prompt itself
+    tier:               what the cache holds and how it was made (the cut, the stored bits, truncation);
+                        a saved file's metadata is written from it
+    document_span:      where the document sits in the prompt (None: all of it)
+    question_room:      for a deferred cache, rows left free after each head's positions in the buffer a question's
+                        pass restores each layer into, where the question's keys and values are written instead of
+                        copying the layer (snapkv.storage.deferred); 0: none
+    payload:            per layer, (keys, values) as a file stores them (16-bit tensors, or
+                        snapkv.storage.quantize.Quantized or Mixed); keys and values above are these, restored. None until
+                        the cache is rounded to its stored precision (at_precision)
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    positions: list[torch.Tensor]
+    original_length: int
+    token_ids: torch.Tensor
+    tier: Tier = field(default_factory=Tier)
+    document_span: range | None = None
+    payload: list[tuple] | None = None
+    question_room: int = 0
+
+    @property
+    def document(self) -> range:
+        return self.document_span if self.document_span is not None else range(0, self.original_length)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def deferred(self) -> bool:
+        """True where the layers stay in their stored bits until a question's pass restores them."""
+        return isinstance(self.keys, StoredLayers)
+
+    def layer_shapes(self) -> list[tuple[int, int, int]]:
+        """Per layer (kv_heads, kept, head_dim) of its keys (and values), without restoring a deferred layer."""
+        if self.deferred:
+            return [self.keys.shape(index) for index in range(len(self.keys))]
+        return [tuple(k.shape) for k in self.keys]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.keys.dtype if self.deferred else self.keys[0].dtype
+
+    @property
+    def kept_tokens(self) -> int:
+        """Positions held per KV head in the largest layer."""
+        return max(p.shape[1] for p in self.positions)
+
+    @property
+    def compressed(self) -> bool:
+        """True if SnapKV dropped positions (sliding-window layers hold a tail anyway and do not count)."""
+        return self.kept_tokens < self.original_length
+
+    @property
+    def kv_bytes(self) -> int:
+        """What the keys and values take in memory, in the compute dtype (a deferred cache: once restored)."""
+        element = self.compute_dtype.itemsize
+        return sum(2 * heads * kept * head_dim * element for heads, kept, head_dim in self.layer_shapes())
+
+    @property
+    def stored_kv_bytes(self) -> int:
+        """What they take as stored (fewer bits); kv_bytes until rounded to the stored precision."""
+        return sum(self.stored_layer_bytes())
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions[0].device
+
+    def full_kv_bytes(self, element_size: int | None = None) -> int:
+        """What the uncompressed cache of the same prompt takes (in `element_size` bytes per number; default
+        the compute dtype's)."""
+        element = element_size or self.compute_dtype.itemsize
+        per_position = sum(heads * head_dim * element * 2 for heads, _, head_dim in self.layer_shapes())
+        return per_position * self.original_length
+
+    def stored_layer_bytes(self) -> list[int]:
+        """Per layer, the bytes its keys and values take as stored."""
+        if self.payload is None:
+            return [k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values)]
+        return [sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.nbytes
+                    for part in pair) for pair in self.payload]
+
+    def to_dynamic_cache(self, model_config, into_room: bool = False) -> DynamicCache:
+        """A fresh transformers cache over these tensors, ready for a forward pass.
+
+        Full-attention layers start from these very tensors, without a copy: DynamicLayer only ever
+        replaces its tensors (appending concatenates into new ones, SnapKV gathers into new ones),
+        so a forward on the returned cache never changes this object. Sliding-window layers go
+        through the public update(), which copies.
+        into_room: for a question's pass over a deferred cache: its full-attention layers are restored one at a time
+        into one buffer with the question's keys and values written after each head's positions
+        (deferred.RestoringLayer); call deferred.release_buffers after that forward.
+        """
+        cache = DynamicCache(config=model_config)
+        restoring = (restoring_layers(self.keys, self.values, self.question_room) if into_room and self.deferred
+                     else None)
+        for index in range(self.num_layers):
+            layer = cache.layers[index]
+            if restoring is not None and type(layer) is DynamicLayer:
+                cache.layers[index] = restoring[index]
+                continue
+            # (1, kv_heads, kept, head_dim)
+            keys, values = self.keys[index].unsqueeze(0), self.values[index].unsqueeze(0)
+            if type(layer) is DynamicLayer:
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values
+            else:
+                cache.update(keys, values, index)
+        return cache
+
+    @classmethod
+    def from_dynamic_cache(
+        cls,
+        cache: DynamicCache,
+        positions: list[torch.Tensor],
+        original_length: int,
+        token_ids: torch.Tensor,
+        tier: Tier,
+        document_span: range | None = None,
+    ) -> "CompressedCache":
+        keys = [layer.keys[0] for layer in cache.layers]
+        values = [layer.values[0] for layer in cache.layers]
+        return cls(keys, values, positions, original_length, token_ids, tier, document_span)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "CompressedCache":
+        return replace(
+            self,
+            keys=[k.to(device=device, dtype=dtype) for k in self.keys],
+            values=[v.to(device=device, dtype=dtype) for v in self.values],
+            positions=[p.to(device) for p in self.positions],
+        )
+
+    def at_precision(self, bits: "Bits | int", sharp: list[torch.Tensor] | None = None) -> "CompressedCache":
+        """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever
+        the compute dtype), with that stored form kept as `payload` for the file, so that a cache answers the
+        same before it is saved and after it is loaded.
+
+        sharp: with a sharper share (Bits.share), per layer (kv_heads, kept) bool, the held positions kept in
+        the share's bits (snapkv.engine.tiers.sharper_positions chooses them).
+        """
+        bits = Bits.parse(bits)
+        if bool(bits.share) != (sharp is not None):
+            raise ValueError(f"{bits} bits {'need' if bits.share else 'take no'} sharper positions")
+        compute = self.keys[0].dtype
+        keys, values, payload = [], [], []
+        in_sixteen = [part for part, kind_bits in ((self.keys, bits.keys), (self.values, bits.values)) if kind_bits == 16]
+        sixteen = storage_dtype(compute, [t for part in in_sixteen for t in part]) if in_sixteen else None
+        for index, (layer_keys, layer_values) in enumerate(zip(self.keys, self.values)):
+            if sharp is None:
+                schemes = stored_schemes(bits, layer_keys.shape[-1])  # None: that kind in 16 bits
+                stored = tuple(x.to(sixteen) if scheme is None else quantize(x, scheme)
+                               for x, scheme in zip((layer_keys, layer_values), schemes))
+            else:
+                schemes = stored_schemes(bits.rest, layer_keys.shape[-1])
+                sharper = stored_schemes(bits.sharper, layer_keys.shape[-1])
+                stored = tuple(quantize_mixed(x, sharp[index], high, low) for x, high, low
+                               in zip((layer_keys, layer_values), sharper, schemes))
+            restored = [part.to(compute) if isinstance(part, torch.Tensor) else dequantize(part, compute)
+                        for part in stored]
+            keys.append(restored[0])
+            values.append(restored[1])
+            payload.append(stored)
+        return replace(self, keys=keys, values=values, payload=payload, tier=replace(self.tier, bits=bits))

@@ -1,0 +1,466 @@
+"""The saved-cache file format: one safetensors file, its metadata schema, its validation and digest.
+
+File layout, format 2 and 3 (safetensors, never pickle):
+    token_ids                         (original_length,) int32, the prompt
+    layers.{i}.kept                   (kv_heads, ceil(original_length / 8)) uint8: bit p % 8 of byte p // 8
+                                      is set where position p is kept (every head keeps as many)
+    16 bits: layers.{i}.keys, .values (kv_heads, kept, head_dim) float16 or bfloat16, RoPE applied
+    2-8 bits: layers.{i}.keys.codes / .scale / .minimum, the same for values: snapkv.storage.quantize.Quantized
+                                      (keys grouped along tokens, values along channels)
+    a sharper share (format 3): layers.{i}.keys.sharp_mask (kv_heads, ceil(kept / 8)) uint8, bit j set where
+                                      the j-th held position is in the share, and its parts in their own bits
+                                      as layers.{i}.keys.sharp_codes / .sharp_scale / .sharp_minimum (the
+                                      rest stays in .codes / .scale / .minimum); the same for values
+    __metadata__["snapkv"]            JSON, written from the cache it describes (build_metadata):
+        format, version               "snapkv-cache", "MAJOR.MINOR"
+        model                         identity of the model, tokenizer and template (snapkv.base.fingerprint)
+        tier                          what the file holds: {"cut": the cut that chose its positions or
+                                      null, "bits", "truncation"}
+        storage                       {"bits", "dtype" (16 bits), "keys" and "values": quantization schemes,
+                                      "sharp_keys" and "sharp_values": those of a sharper share}
+        per_question                  the cut made per question when answering (query-aware), or null
+        mode                          full | document-window | tier-only | query-aware (snapkv.compression.config.mode_of)
+        document_span                 [start, stop) of the document in the prompt
+        sources                       the documents, with sha256 (staleness)
+        original_length, num_layers, producer, created, payload_sha256 (payload_digest), payload_sha256_lanes
+                                      ({"lanes", "sha256"}: the same bytes hashed in runs at once),
+                                      payload_xxh3_128 (payload_checksum): the newest of the three present
+                                      is checked
+    16/8 bits (format 4): layers.{i}.keys as at 16 bits, layers.{i}.values as at 8 bits; storage holds the
+                                      keys' "dtype" and the values' scheme
+A file is written in the oldest format that holds it: 3.0 only with a sharper share, 4.0 only with keys in 16
+bits and values in fewer, so that snapkv versions before them read every other file and refuse these asking for
+an upgrade. Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
+
+This module owns the schema: nothing else writes these keys. What a reader needs without torch lives apart and is
+used here too: the metadata read and interpreted (snapkv.storage.cachemeta: tier_of, per_question_of, stored_tensor_names),
+the digests (snapkv.base.digests); snapkv.storage.cacheinfo checks and describes a file from its raw bytes as load_cache would
+(snapkv info). The store folder (naming, look-up, listing) is snapkv.storage.store; the atomic write is snapkv.base.atomic.
+"""
+
+import ctypes
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from snapkv import native
+from snapkv.base.atomic import write_atomically
+from snapkv.base.bits import Bits
+from snapkv.base.digests import (DIGEST_LANES, MAX_DIGEST_LANES, Piece, check_payload,  # noqa: F401 (re-exported)
+                                 checksum_of, piece_header, sha256_of)
+from snapkv.base.errors import CacheFileError, IncompatibleCacheError
+from snapkv.base.paths import CACHE_SUFFIX
+from snapkv.compression.config import Cut, mode_of
+from snapkv.io.documents import Source
+from snapkv.storage.cache import CompressedCache
+from snapkv.storage.cachemeta import (FORMAT_NAME, FORMAT_VERSION, IDENTITY_FIELDS,  # noqa: F401 (re-exported)
+                                      PLAIN_FORMAT_VERSION, SHARP_FORMAT_VERSION, SPLIT_FORMAT_VERSION, per_question_of,
+                                      read_metadata, recorded_sources, storage_scheme, stored_layout,
+                                      stored_tensor_names, tier_of)
+from snapkv.storage.cacheschema import MAX_VOCABULARY
+from snapkv.storage.deferred import StoredLayers
+from snapkv.storage.quantize import Mixed, Quantized, dequantize
+
+SUFFIX = CACHE_SUFFIX
+
+
+def _payload_pieces(tensors: dict[str, torch.Tensor]) -> list[Piece]:
+    """What a digest covers, per tensor in name order: its header (name, dtype, shape) and its bytes (None if empty)."""
+    pieces = []
+    for name in sorted(tensors):
+        tensor = tensors[name].contiguous()
+        header = piece_header(name, tensor.dtype, tensor.shape)
+        pieces.append((header, tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else None))
+    return pieces
+
+
+def payload_digest(tensors: dict[str, torch.Tensor], lanes: int = 1) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order, hashed in `lanes` runs at once where
+    lanes > 1 (snapkv.base.digests.sha256_of)."""
+    return sha256_of(_payload_pieces(tensors), lanes)  # the pieces made before any thread starts
+
+
+def payload_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """XXH3-128 over what payload_digest covers, in the same order: what a load checks (snapkv.base.digests.checksum_of)."""
+    return checksum_of(_payload_pieces(tensors))
+
+
+def payload_signatures(tensors: dict[str, torch.Tensor]) -> dict:
+    """The metadata fields that let a reader check the payload, as save_cache writes them: payload_xxh3_128 (what
+    this snapkv checks), payload_sha256_lanes and payload_sha256 (what earlier versions check)."""
+    return {"payload_sha256": payload_digest(tensors),
+            "payload_sha256_lanes": {"lanes": DIGEST_LANES, "sha256": payload_digest(tensors, DIGEST_LANES)},
+            "payload_xxh3_128": payload_checksum(tensors)}
+
+
+def _pack_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """(kv_heads, kept) positions -> (kv_heads, ceil(length / 8)) uint8 bitmask, low bit first.
+
+    numpy, not torch: a file may be written from a forked process, where torch's thread pool would hang."""
+    heads = positions.shape[0]
+    mask = np.zeros((heads, length), dtype=bool)
+    mask[np.arange(heads)[:, None], positions.cpu().numpy()] = True
+    return torch.from_numpy(np.packbits(mask, axis=1, bitorder="little"))
+
+
+def _unpack_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
+    """The inverse: (kv_heads, bytes) uint8 -> (kv_heads, n_set) sorted positions; ValueError when the heads
+    keep different numbers of positions."""
+    heads = mask.shape[0]
+    if (native.unavailable_reason() is None and mask.dtype == torch.uint8 and mask.dim() == 2
+            and mask.shape[1] * 8 >= length):
+        mask = mask.contiguous()  # snapkv/native/kernels/dequantize.c: a pass to count, a pass to write (~10 us)
+        count = native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1], None, 0)
+        positions = torch.empty(heads, max(count, 0), dtype=torch.int64)
+        if count < 0 or native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1],
+                                                        positions.data_ptr(), count) != count:
+            raise ValueError("heads keep different numbers of positions")
+        return positions
+    kept = _mask_bits(mask, length)
+    flat = np.flatnonzero(kept).reshape(heads, -1)  # positions in the (heads * length) mask: 4x faster than nonzero()
+    return torch.from_numpy(flat - np.arange(heads).reshape(heads, 1) * length)
+
+
+def _mask_bits(mask: torch.Tensor, length: int) -> np.ndarray:
+    """(kv_heads, bytes) uint8 -> (kv_heads, length) bool, True where a position's bit is set; ValueError when the
+    heads keep different numbers of positions."""
+    kept = np.unpackbits(mask.numpy(), axis=1, count=length, bitorder="little").view(bool)
+    counts = np.count_nonzero(kept, axis=1)
+    if counts.size and (counts != counts[0]).any():
+        raise ValueError("heads keep different numbers of positions")
+    return kept
+
+
+def _stored_parts(name: str, part) -> dict[str, torch.Tensor]:
+    if isinstance(part, Mixed):
+        held = part.sharp.shape[1]
+        sharp = part.sharp.nonzero()[:, 1].reshape(part.sharp.shape[0], -1)  # (kv_heads, count), ascending
+        high = {key.replace(f"{name}.", f"{name}.sharp_"): value
+                for key, value in _stored_parts(name, part.high).items()}
+        return {f"{name}.sharp_mask": _pack_mask(sharp, held), **high, **_stored_parts(name, part.low)}
+    if isinstance(part, Quantized):
+        return {f"{name}.codes": part.packed.cpu().contiguous(), f"{name}.scale": part.scale.cpu().contiguous(),
+                f"{name}.minimum": part.minimum.cpu().contiguous()}
+    return {name: part.detach().cpu().contiguous()}
+
+
+def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors a file holds for `cache` (rounded to its tier's bits if it was not yet), and its storage
+    description for the metadata."""
+    if cache.payload is None:
+        cache = cache.at_precision(cache.tier.bits)
+    tensors = {"token_ids": cache.token_ids.to(device="cpu", dtype=torch.int32).contiguous()}
+    for index, (positions, (keys, values)) in enumerate(zip(cache.positions, cache.payload)):
+        tensors[f"layers.{index}.kept"] = _pack_mask(positions, cache.original_length)
+        tensors.update(_stored_parts(f"layers.{index}.keys", keys))
+        tensors.update(_stored_parts(f"layers.{index}.values", values))
+    keys, values = cache.payload[0]
+    storage = {"bits": cache.tier.bits.to_json(), "head_dim": cache.keys[0].shape[-1],
+               "kv_heads": cache.keys[0].shape[0]}
+    if isinstance(keys, Mixed):
+        storage.update(keys=keys.low.scheme.to_dict(), values=values.low.scheme.to_dict(),
+                       sharp_keys=keys.high.scheme.to_dict(), sharp_values=values.high.scheme.to_dict())
+    else:
+        for kind, part in (("keys", keys), ("values", values)):
+            if isinstance(part, Quantized):
+                storage[kind] = part.scheme.to_dict()
+            else:  # a kind in 16 bits: the dtype it is stored in
+                storage["dtype"] = str(part.dtype).replace("torch.", "")
+    return tensors, storage
+
+
+def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_question: Cut | None = None,
+                   sources: list[Source] = ()) -> dict:
+    """The metadata of a file holding `cache`: everything about the tier comes from the cache itself."""
+    import transformers
+
+    from snapkv import __version__
+
+    bits = cache.tier.bits
+    version = (SPLIT_FORMAT_VERSION if bits.keys == 16 and bits.values != 16
+               else SHARP_FORMAT_VERSION if bits.share else PLAIN_FORMAT_VERSION)
+    return {
+        "format": FORMAT_NAME,
+        "version": f"{version[0]}.{version[1]}",
+        "model": model or {},
+        "tier": cache.tier.to_dict(),
+        "per_question": per_question.to_dict() if per_question else None,
+        "mode": mode_of(cache.tier.cut, per_question),
+        "document_span": [cache.document.start, cache.document.stop],
+        "sources": [asdict(source) for source in sources],
+        "original_length": cache.original_length,
+        "num_layers": cache.num_layers,
+        "producer": {"snapkv": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
+        "created": time.time(),
+    }
+
+
+def save_cache(path: Path, cache: CompressedCache, *, model: dict | None = None, per_question: Cut | None = None,
+               sources: list[Source] = ()) -> int:
+    """Write `cache` to `path` atomically; returns the file's size in bytes.
+
+    model: the identity of the model that made it (LoadedModel.identity); per_question: the cut its
+    answers are made with by default; sources: the documents it was made from.
+    """
+    from safetensors.torch import save_file
+
+    tensors, storage = cache_tensors(cache)
+    header = build_metadata(cache, model=model, per_question=per_question, sources=sources)
+    header["storage"] = storage
+    header.update(payload_signatures(tensors))
+    return write_atomically(
+        path, lambda temp: save_file(tensors, str(temp), metadata={"snapkv": json.dumps(header)}), "the cache")
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def check_identity(path: Path, metadata: dict, identity: dict) -> None:
+    """Refuse a cache made for another model, tokenizer or template, saying what differs."""
+    saved = metadata.get("model", {})
+    differing = [label for key, label in IDENTITY_FIELDS.items() if saved.get(key) != identity.get(key)]
+    if differing:
+        raise IncompatibleCacheError(
+            f"{path} was made with {saved.get('name', 'another model')!r}, and its {', '.join(differing)} "
+            f"differ from {identity.get('name')!r}, the model in use. Use the model it was made with, "
+            "or ask the original document again to build a new cache."
+        )
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity: the extremes tell (NaN propagates into them), 6x faster than isfinite().all()."""
+    if not tensor.numel():
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) and torch.isfinite(high))
+
+
+def _all_finite_halves(tensors: list[torch.Tensor]) -> bool:
+    """_all_finite over many fp16 tensors at once: one pass in C over their exponent bits where the kernels are
+    available (~0.2 against 3.6 ms for an 8k-token cache's 240 scale and minimum tensors), else one concatenation."""
+    if (native.unavailable_reason() is None
+            and all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
+        pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        counts = (ctypes.c_int64 * len(tensors))(*(t.numel() for t in tensors))
+        return bool(native.kernels().half_all_finite(pointers, counts, len(tensors)))
+    return _all_finite(torch.cat([t.reshape(-1) for t in tensors]))
+
+
+def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[int, int]:
+    length = metadata.get("original_length")
+    layers = metadata.get("num_layers")
+    if not isinstance(length, int) or not isinstance(layers, int) or length < 1 or layers < 1:
+        raise CacheFileError(f"{path}: damaged metadata (length {length!r}, layers {layers!r})")
+    if identity is not None and layers != identity["num_layers"]:
+        raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {identity['num_layers']}")
+    return length, layers
+
+
+def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, length: int,
+                 identity: dict | None, from_mask: bool = False) -> None:
+    """keys, values: tensors, or Quantized / Mixed parts, whose scales and minimums are checked finite
+    (snapkv.storage.quantize: at most 255 x 65504 + 65504 per value before the rotation sums a head's), so that they
+    cannot hold NaN or infinity once restored and are not read to tell. from_mask: the positions were read from a
+    bit mask (_unpack_mask: ascending and in range as made), so their order and range are not checked again."""
+    key_shape, value_shape = tuple(keys.shape), tuple(values.shape)
+    if len(key_shape) != 3 or key_shape != value_shape or tuple(positions.shape) != key_shape[:2]:
+        raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {key_shape}, "
+                             f"{value_shape}, {tuple(positions.shape)})")
+    if key_shape[1] == 0:  # the template around the document is always kept
+        raise CacheFileError(f"{path}: damaged cache (layer {index} keeps no positions)")
+    if identity is not None and (key_shape[0], key_shape[2]) != (identity["kv_heads"], identity["head_dim"]):
+        raise IncompatibleCacheError(f"{path}: layer {index} has {key_shape[0]} KV heads of size {key_shape[2]}, "
+                                     f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
+    if not from_mask and positions.numel() and (positions.min() < 0 or positions.max() >= length
+                              or bool((positions[:, 1:] <= positions[:, :-1]).any())):
+        raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
+    tensors = [part for part in (keys, values) if isinstance(part, torch.Tensor)]
+    if not all(_all_finite(tensor) for tensor in tensors):
+        raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+
+
+def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> list[tuple]:
+    """(keys, values, positions, None) per layer of a format 1 file."""
+    if set(tensors) != stored_tensor_names(layers, None):
+        raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
+    found = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"], tensors[f"layers.{i}.positions"], None)
+             for i in range(layers)]
+    for index, (keys, values, positions, _) in enumerate(found):
+        if ({keys.dtype, values.dtype} - {torch.float16, torch.bfloat16, torch.float32}
+                or positions.dtype not in (torch.int32, torch.int64)):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} stored as {keys.dtype}, {values.dtype}, "
+                                 f"{positions.dtype})")
+    return found
+
+
+def _quantized_part(path: Path, tensors: dict, name: str, prefix: str, shape: tuple[int, int, int], storage: dict,
+                    kind: str) -> Quantized:
+    """One Quantized tensor of a file (`name` + .codes etc., or .sharp_codes etc.), its shapes checked."""
+    scheme = storage_scheme(path, storage, kind)
+    codes, scale, minimum = (tensors[f"{name}.{prefix}{part}"] for part in ("codes", "scale", "minimum"))
+    codes_shape, scale_shape = scheme.stored_shapes(shape)
+    if (codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or tuple(scale.shape) != scale_shape
+            or tuple(minimum.shape) != scale_shape or scale.dtype != torch.float16 or minimum.dtype != torch.float16):
+        raise CacheFileError(f"{path}: damaged cache ({name}: shapes {tuple(codes.shape)}, {tuple(scale.shape)}, "
+                             f"{tuple(minimum.shape)} do not fit {shape} at {scheme.bits} bits)")
+    return Quantized(codes, scale, minimum, shape, scheme)
+
+
+def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str,
+                 bits: Bits, masks: dict | None = None):
+    """A layer's keys or values as stored: a 16-bit tensor, Quantized, or Mixed (its shapes checked). masks: the
+    sharper masks read so far for this layer, by their bytes: the keys' and values' are the same mask as saved, read
+    once and held as one tensor (so that a question's pass can tell they agree without comparing them)."""
+    if (bits.keys if kind == "keys" else bits.values) == 16:
+        part = tensors[name]
+        if part.dtype not in (torch.float16, torch.bfloat16):
+            raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
+        return part
+    if not bits.share:
+        return _quantized_part(path, tensors, name, "", shape, storage, kind)
+    heads, held, head_dim = shape
+    mask = tensors[f"{name}.sharp_mask"]
+    if mask.dtype != torch.uint8 or tuple(mask.shape) != (heads, (held + 7) // 8):
+        raise CacheFileError(f"{path}: damaged cache ({name} sharper mask {tuple(mask.shape)})")
+    known, key = (masks if masks is not None else {}), mask.numpy().tobytes()
+    sharp = known.get(key)
+    if sharp is None:
+        try:
+            sharp = known[key] = torch.from_numpy(_mask_bits(mask, held))  # (kv_heads, held) bool, as Mixed holds it
+        except ValueError as error:
+            raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
+    count = int(sharp[0].sum()) if heads else 0
+    return Mixed(sharp, _quantized_part(path, tensors, name, "sharp_", (heads, count, head_dim), storage,
+                                        f"sharp_{kind}"),
+                 _quantized_part(path, tensors, name, "", (heads, held - count, head_dim), storage, kind))
+
+
+def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int,
+                     restore_dtype: torch.dtype, defer: bool) -> list[tuple]:
+    """(keys, values, positions, stored pair) per layer of a format 2 file; quantized parts restored in
+    restore_dtype, or left as they are stored where `defer` (keys and values are then the stored parts)."""
+    storage = metadata.get("storage") or {}
+    bits, head_dim, kv_heads = stored_layout(path, metadata, tensors, layers)
+    found = []
+    for index in range(layers):
+        mask = tensors[f"layers.{index}.kept"]
+        if mask.dtype != torch.uint8 or tuple(mask.shape) != (kv_heads, (length + 7) // 8):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} kept-positions mask {tuple(mask.shape)})")
+        try:
+            positions = _unpack_mask(mask, length)
+        except ValueError as error:
+            raise CacheFileError(f"{path}: damaged cache (layer {index}: {error})") from error
+        shape = (kv_heads, positions.shape[1], head_dim)
+        masks = {}  # the layer's sharper masks by their bytes
+        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits, masks)
+                       for kind in ("keys", "values"))
+        restored = [part if isinstance(part, torch.Tensor) or defer else dequantize(part, restore_dtype)
+                    for part in stored]
+        found.append((restored[0], restored[1], positions, stored))
+    _check_finite_scales(path, [stored for *_, stored in found])
+    return found
+
+
+def _check_finite_scales(path: Path, layers: list[tuple]) -> None:
+    """Every quantized part's scales and minimums finite, checked for all layers at once (one pass: a pass per layer
+    cost ~0.4 ms each in waking threads), then layer by layer only to name the one that is not."""
+
+    def scales_of(stored: tuple) -> list[torch.Tensor]:
+        pieces = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))]
+        return [t for piece in pieces if isinstance(piece, Quantized) for t in (piece.scale, piece.minimum)]
+
+    every = [t for stored in layers for t in scales_of(stored)]
+    if not every or _all_finite_halves(every):
+        return
+    for index, stored in enumerate(layers):
+        if not _all_finite_halves(scales_of(stored)):
+            raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+
+
+def load_cache(path: Path, *, identity: dict | None = None,
+               device: torch.device | str | list[torch.device] = "cpu",
+               dtype: torch.dtype | None = None, verify: bool = True,
+               split: dict | None = None, question_room: int = 0) -> tuple[CompressedCache, dict]:
+    """Read and validate a saved cache; refuse (CacheFileError / IncompatibleCacheError) what does not fit.
+
+    identity: the model in use (LoadedModel.identity); None skips the model checks (for `info`).
+    device:   one device for every layer, or one per layer (LoadedModel.layer_devices): a file saved
+              from any layout loads into any other.
+    dtype:    the compute dtype to restore keys and values in (None: as stored; float32 for fewer bits).
+    verify:   check the payload's checksum or digest (reads every byte; skip only for very large trusted files).
+    split:    a dict that receives where the time went: read_seconds (header and tensors from disk),
+              digest_seconds (the checksum or digest), restore_seconds (checks, dequantizing, placing on the devices).
+    question_room: for a file of fewer bits than 16 whose layers stay on the CPU in the dtype they are restored
+              in: load it deferred (snapkv.storage.deferred: the codes are kept, and each question's pass restores the
+              layers one at a time), with this many rows free after each head's positions for the question's
+              keys and values (CompressedCache.question_room). 0: restore every layer now.
+    """
+    from safetensors.torch import load_file
+
+    clock = time.perf_counter()
+    path = Path(path)
+    metadata = read_metadata(path)
+    if identity is not None:
+        check_identity(path, metadata, identity)
+    tier = tier_of(path, metadata)
+    try:
+        tensors = load_file(str(path))
+    except Exception as error:  # safetensors raises its own error type for every structural fault
+        raise CacheFileError(f"{path}: damaged cache file ({error})") from error
+    read_at = time.perf_counter()
+    if verify:  # by the newest digest the file has (snapkv.base.digests.pieces_match)
+        check_payload(path, _payload_pieces(tensors), metadata)
+    digest_at = time.perf_counter()
+    length, layers = _check_counts(path, metadata, identity)
+    ids = tensors.get("token_ids")
+    if ids is None or ids.shape != (length,) or ids.dtype not in (torch.int32, torch.int64):
+        raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
+    if int(ids.min()) < 0 or int(ids.max()) >= MAX_VOCABULARY:
+        raise CacheFileError(f"{path}: damaged cache (prompt ids outside any vocabulary)")
+    devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
+    if len(devices) != layers:
+        raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")
+    # quantized parts straight into a bf16 model's dtype (one pass, as .to() would round), else fp32
+    restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+    defer = (question_room > 0 and dtype in (None, restore_dtype)
+             and all(torch.device(one).type == "cpu" for one in devices))
+    format_2 = metadata.get("storage", {}).get("format") != 1  # positions read from bit masks: ascending, in range
+    if not format_2:
+        found = _layers_format_1(path, tensors, length, layers)
+    else:
+        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, defer)
+    for index, (keys, values, positions, _) in enumerate(found):
+        _check_layer(path, index, keys, values, positions, length, identity, from_mask=format_2)
+    defer = defer and all(stored is not None and not all(isinstance(part, torch.Tensor) for part in stored)
+                          for *_, stored in found)  # layers with a quantized kind are left as stored
+    span = metadata.get("document_span")
+    if span is not None and not (isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)
+                                 and 0 <= span[0] <= span[1] <= length):
+        raise CacheFileError(f"{path}: damaged metadata (document span {span!r})")
+    if defer:
+        keys = StoredLayers([keys for keys, *_ in found], restore_dtype)
+        values = StoredLayers([values for _, values, *_ in found], restore_dtype)
+    else:  # a part left as stored for a deferred load that cannot be one (16-bit keys beside quantized values)
+        def restored(part):
+            return part if isinstance(part, torch.Tensor) else dequantize(part, restore_dtype)
+
+        keys = [restored(keys).to(device=devices[i], dtype=dtype) for i, (keys, _, _, _) in enumerate(found)]
+        values = [restored(values).to(device=devices[i], dtype=dtype) for i, (_, values, _, _) in enumerate(found)]
+    cache = CompressedCache(
+        keys=keys,
+        values=values,
+        positions=[positions.to(device=devices[i], dtype=torch.int64) for i, (_, _, positions, _) in enumerate(found)],
+        original_length=length,
+        token_ids=tensors["token_ids"].to(torch.int64),
+        tier=tier,
+        document_span=range(*span) if span is not None else None,
+        payload=None if found[0][3] is None else [stored for *_, stored in found],
+        question_room=question_room if defer else 0,
+    )
+    if split is not None:
+        split.update(read_seconds=read_at - clock, digest_seconds=digest_at - read_at,
+                     restore_seconds=time.perf_counter() - digest_at)
+    return cache, metadata
