@@ -20,8 +20,7 @@ import torch
 
 from snapkv.answering import cut_for_file
 from snapkv.base.errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
-from snapkv.compression.config import (Cut, SnapKVConfig, Tier, Truncation, mode_of,
-                                       per_question_of as per_question_for, stored_bits_of, stored_tier_of)
+from snapkv.compression.config import Cut, Plan, SnapKVConfig, Tier, Truncation, mode_of
 from snapkv.engine.engines import EngineUse, engine_setting
 from snapkv.engine.generation import Sampling, answer
 from snapkv.engine.memory import (PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory,
@@ -219,6 +218,7 @@ class Session:
         self.loaded = loaded
         self.prompter = loaded.prompter_for(system)
         self.settings = settings
+        self.plan = Plan.of(settings)  # resolved once: what is stored, in which bits, and each question's cut
         self.store = store
         self.verify = verify
         self.truncate = truncate
@@ -266,9 +266,8 @@ class Session:
                   device, so that its time and peak memory are the prefill's own.
         """
         prompt = source if isinstance(source, Prompt) else self.prompt(source)
-        stored, per_question = stored_tier_of(self.settings), per_question_for(self.settings)
-        bits = stored_bits_of(self.settings)
-        key = cache_key(self.loaded.identity, prompt.ids, stored, bits) if self.store else None
+        plan = self.plan
+        key = cache_key(self.loaded.identity, prompt.ids, plan.stored, plan.bits) if self.store else None
         notes = []
         if self.store is not None and (path := self.store.lookup(key)) is not None:
             try:
@@ -277,8 +276,8 @@ class Session:
                 notes.append(f"the saved cache was unreadable and has been rebuilt ({error})")
             else:
                 if torch.equal(prepared.cache.token_ids, prompt.ids):
-                    return replace(prepared, document=prompt.document, per_question=per_question)
-        prepared = self._prefill(prompt, stored, bits, per_question, on_layer, on_step, measure)
+                    return replace(prepared, document=prompt.document, per_question=plan.per_question)
+        prepared = self._prefill(prompt, plan, on_layer, on_step, measure)
         prepared.notes = notes
         if self.store is not None:
             try:
@@ -287,19 +286,17 @@ class Session:
                 prepared.notes.append(f"{error} The next question on this document will prefill again.")
         return prepared
 
-    def _prefill(self, prompt: Prompt, stored: Cut | None, bits: int, per_question: Cut | None,
-                 on_layer: Callable[[int, int], None] | None, on_step: Callable[[int, int], None] | None,
-                 measure: bool) -> PreparedDocument:
+    def _prefill(self, prompt: Prompt, plan: Plan, on_layer: Callable[[int, int], None] | None,
+                 on_step: Callable[[int, int], None] | None, measure: bool) -> PreparedDocument:
         loaded, ids = self.loaded, prompt.ids
-        during = stored if stored is not None and stored.method.scores_during_prefill else None
-        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype,
-                           during.sized_for(prompt.tokens, prompt.document_span) if during else None)
+        sized = plan.sized_for(prompt.tokens, prompt.document_span)
+        check_prefill_fits(loaded.model, ids.shape[0], loaded.device, loaded.dtype, sized.during_prefill)
         try:
             with PeakMemory(loaded.device, release=measure) as memory:
                 wait_for_device(loaded.device)
                 started = time.perf_counter()
                 timings: dict = {}
-                cache = build_tier(loaded.model, self.prompter, ids, prompt.document_span, stored, bits,
+                cache = build_tier(loaded.model, self.prompter, ids, prompt.document_span, plan,
                                    Tier(truncation=prompt.truncation), on_layer=on_layer, on_step=on_step,
                                    timings=timings)
                 wait_for_device(loaded.device)
@@ -313,7 +310,7 @@ class Session:
                 "nothing was saved. Use a shorter document (--truncate), a smaller budget with --no-query-aware, "
                 "or another device."
             ) from error
-        return PreparedDocument(prompt.document, cache, per_question, prefill_seconds=seconds,
+        return PreparedDocument(prompt.document, cache, plan.per_question, prefill_seconds=seconds,
                                 prefill_peak_bytes=memory.peak, tier_seconds=timings["tier_seconds"])
 
     def derive(self, whole: PreparedDocument, *, scores_memo: dict | None = None,
@@ -323,17 +320,19 @@ class Session:
 
         scores_memo: a dict kept with `whole` so that several tiers of one cache score it once.
         """
-        stored, bits = stored_tier_of(self.settings), stored_bits_of(self.settings)
-        if stored is not None and stored.method.scores_during_prefill:
-            raise ConfigError(f"a {stored.method.name} tier is cut during the prefill; prepare the document instead")
+        plan = self.plan
+        if plan.during_prefill is not None:
+            raise ConfigError(f"a {plan.stored.method.name} tier is cut during the prefill; prepare the document "
+                              "instead")
         cache = whole.cache
         with PeakMemory(self.loaded.device, release=measure) as memory:
             started = time.perf_counter()
-            cut = stored.sized_for(cache.original_length, cache.document) if stored is not None else None
-            derived = derive_tier(self.loaded.model, self.prompter, cache, cut, bits, on_step, scores_memo)
+            sized = plan.sized_for(cache.original_length, cache.document)
+            derived = derive_tier(self.loaded.model, self.prompter, cache, sized.after_prefill, plan.bits, on_step,
+                                  scores_memo)
             wait_for_device(self.loaded.device)
             seconds = time.perf_counter() - started
-        return PreparedDocument(whole.document, derived, per_question_for(self.settings), prefill_seconds=seconds,
+        return PreparedDocument(whole.document, derived, plan.per_question, prefill_seconds=seconds,
                                 prefill_peak_bytes=memory.peak, tier_seconds=seconds)
 
     # ------------------------------------------------------------------------------------ files

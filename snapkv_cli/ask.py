@@ -7,33 +7,22 @@ from typing import Optional
 
 import typer
 
-from snapkv.compression.config import DEFAULTS
 from snapkv.base.paths import CACHE_SUFFIX
 
-from .options import (BudgetOption, EngineOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
-                      MaxTokensOption, ModelOption, NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption,
-                      QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
-                      StoreMethodOption, SystemOption, TruncateOption, WindowOption, explicit_settings, settings_from)
+from .options import (DeviceMapOption, DeviceOption, DtypeOption, EngineOption, MaxTokensOption, ModelOption,
+                      PasswordOption, SkipDigestOption, SystemOption, TruncateOption, explicit_settings, settings_from,
+                      settings_options)
 
 
+@settings_options()
 def ask(
     ctx: typer.Context,
     source: str = typer.Argument(..., metavar="SOURCE", help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, "
                                            "or a saved .snapkv cache."),
     questions: list[str] = typer.Argument(..., metavar="QUESTION", help="One or more questions, answered in turn against one cache."),
     model: ModelOption = None,
-    budget: BudgetOption = DEFAULTS.budget,
-    window: WindowOption = DEFAULTS.window,
-    kernel: KernelOption = DEFAULTS.kernel,
-    pooling: PoolingOption = DEFAULTS.pooling,
-    query_aware: QueryAwareOption = DEFAULTS.query_aware,
-    store_keep: StoreKeepOption = DEFAULTS.store_keep,
-    store_method: StoreMethodOption = DEFAULTS.store_method,
-    store_bits: StoreBitsOption = DEFAULTS.store_bits,
-    prefill_chunk: PrefillChunkOption = None,
+    settings_given: dict = None,  # the settings options (snapkv_cli.options.settings_options)
     engine: EngineOption = None,
-    store_budget: StoreBudgetOption = DEFAULTS.store_budget,
-    no_compress: NoCompressOption = False,
     no_store: bool = typer.Option(False, "--no-store",
                                   help="Neither look the document up in the cache store nor save it there."),
     skip_digest: SkipDigestOption = False,
@@ -69,8 +58,7 @@ def ask(
 
     from .consoles import done, inert, source_names, stderr_console, stdout_console, warn, working
 
-    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
-                             store_method, store_bits, prefill_chunk)
+    settings = settings_from(**settings_given)
     err, out = stderr_console(), stdout_console()
 
     # what can be wrong with the input is found before torch and the model are loaded (a missing file at once)

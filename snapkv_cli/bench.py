@@ -10,10 +10,8 @@ import typer
 from snapkv.compression.config import DEFAULTS
 from snapkv.base.sizes import parse_sizes
 
-from .options import (BudgetsOption, DeviceMapOption, DeviceOption, DtypeOption, EngineOption, KernelOption,
-                      LengthsOption,
-                      ModelOption, PoolingOption, QueryAwareOption, StoreBitsOption, StoreKeepOption,
-                      StoreMethodOption, WindowOption, settings_from)
+from .options import (BudgetsOption, DeviceMapOption, DeviceOption, DtypeOption, EngineOption, LengthsOption,
+                      ModelOption, settings_from, settings_options)
 
 
 def _table(result):
@@ -67,6 +65,7 @@ def _plot(result, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+@settings_options("window", "kernel", "pooling", "query_aware", "store_keep", "store_method", "store_bits")
 def bench(
     length: LengthsOption = "2k",
     budget: BudgetsOption = str(DEFAULTS.budget),
@@ -77,13 +76,7 @@ def bench(
     tokenizer: Optional[Path] = typer.Option(
         None, help="With --random-weights: a folder of tokenizer files for the prompts (default: the embedded "
                    "model's)."),
-    window: WindowOption = DEFAULTS.window,
-    kernel: KernelOption = DEFAULTS.kernel,
-    pooling: PoolingOption = DEFAULTS.pooling,
-    query_aware: QueryAwareOption = DEFAULTS.query_aware,
-    store_keep: StoreKeepOption = DEFAULTS.store_keep,
-    store_method: StoreMethodOption = DEFAULTS.store_method,
-    store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    settings_given: dict = None,  # the settings options (snapkv_cli.options.settings_options) but the budget
     decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded to time decode speed."),
     repeats: int = typer.Option(3, min=1, help="Answers timed per method, in turn; the medians are reported."),
     allow_extrapolation: bool = typer.Option(False, help="Allow lengths past the model's context (speed and memory only)."),
@@ -109,8 +102,7 @@ def bench(
 
     lengths = parse_sizes(length, name="--length", minimum=16)
     budgets = parse_sizes(budget, name="--budget")
-    settings = settings_from(budgets[0], window, kernel, pooling, query_aware, store_keep=store_keep,
-                             store_method=store_method, store_bits=store_bits)
+    settings = settings_from(budgets[0], **settings_given)
     err = stderr_console()
     if random_weights is not None:
         with working(err, "Building a random-weights model..."):

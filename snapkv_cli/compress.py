@@ -4,33 +4,21 @@ from pathlib import Path
 
 import typer
 
-from snapkv.compression.config import DEFAULTS
 from snapkv.base.errors import CacheFileError, ConfigError
 from snapkv.base.paths import CACHE_SUFFIX as SUFFIX
 
-from .options import (BudgetOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption, ModelOption,
-                      NoCompressOption, PasswordOption, PoolingOption, PrefillChunkOption, QueryAwareOption,
-                      StoreBitsOption, StoreBudgetOption, StoreKeepOption, StoreMethodOption, SystemOption,
-                      TruncateOption, WindowOption, settings_from)
+from .options import (DeviceMapOption, DeviceOption, DtypeOption, ModelOption, PasswordOption, SystemOption,
+                      TruncateOption, settings_from, settings_options)
 
 
+@settings_options()
 def compress(
     source: str = typer.Argument(..., metavar="SOURCE", help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, or "
                                            "a saved .snapkv file of a whole prompt in 16 bits to cut to a smaller "
                                            "tier without a new prefill."),
     output: Path = typer.Option(..., "--output", "-o", help=f"The cache file to write (ends in {SUFFIX})."),
     model: ModelOption = None,
-    budget: BudgetOption = DEFAULTS.budget,
-    window: WindowOption = DEFAULTS.window,
-    kernel: KernelOption = DEFAULTS.kernel,
-    pooling: PoolingOption = DEFAULTS.pooling,
-    query_aware: QueryAwareOption = DEFAULTS.query_aware,
-    store_keep: StoreKeepOption = DEFAULTS.store_keep,
-    store_method: StoreMethodOption = DEFAULTS.store_method,
-    store_bits: StoreBitsOption = DEFAULTS.store_bits,
-    prefill_chunk: PrefillChunkOption = None,
-    store_budget: StoreBudgetOption = DEFAULTS.store_budget,
-    no_compress: NoCompressOption = False,
+    settings_given: dict = None,  # the settings options (snapkv_cli.options.settings_options)
     truncate: TruncateOption = None,
     device: DeviceOption = "auto",
     device_map: DeviceMapOption = None,
@@ -56,8 +44,7 @@ def compress(
             read_metadata(output)
         except CacheFileError as error:
             raise ConfigError(f"{output} exists and is not a snapkv cache; refusing to overwrite it") from error
-    settings = settings_from(budget, window, kernel, pooling, query_aware, no_compress, store_budget, store_keep,
-                             store_method, store_bits, prefill_chunk)
+    settings = settings_from(**settings_given)
     err = stderr_console()
     from_file = source.endswith(SUFFIX)
     with working(err, "Reading documents..."):

@@ -13,8 +13,8 @@ from snapkv.compression.config import DEFAULTS
 from snapkv.base.errors import ConfigError
 from snapkv.base.sizes import parse_size, parse_sizes
 
-from .options import (BudgetsOption, DeviceOption, DtypeOption, KernelOption, LengthsOption, ModelOption,
-                      PoolingOption, StoreBitsOption, StoreKeepOption, StoreMethodOption, WindowOption, settings_from)
+from .options import (BudgetsOption, DeviceOption, DtypeOption, LengthsOption, ModelOption, settings_from,
+                      settings_options)
 from .usage import PlainCommand
 
 app = typer.Typer(help="Accuracy of SnapKV settings against the full cache.", no_args_is_help=True,
@@ -31,12 +31,13 @@ ModesOption = Annotated[list[EvalMode], typer.Option(
 BOTH_MODES = [EvalMode.query_aware, EvalMode.document_window]
 
 
-def _settings(budgets: str, modes: list[EvalMode], window: int, kernel: int, pooling: str, store_keep: float | None,
-              store_method: str, store_bits: Bits) -> list:
+EVAL_SETTINGS = ("window", "kernel", "pooling", "store_keep", "store_method", "store_bits")  # the budgets are a grid
+
+
+def _settings(budgets: str, modes: list[EvalMode], settings_given: dict) -> list:
     from snapkv.measure.evaluation import EvalSetting
 
-    base = settings_from(DEFAULTS.budget, window, kernel, pooling, store_keep=store_keep, store_method=store_method,
-                         store_bits=store_bits)
+    base = settings_from(DEFAULTS.budget, **settings_given)
     chosen = tuple(dict.fromkeys(mode.value for mode in modes))
     return EvalSetting.grid(parse_sizes(budgets, name="--budget"), base, modes=chosen)
 
@@ -64,18 +65,14 @@ def _heatmaps(result, folder: Path) -> list[Path]:
 
 
 @app.command(cls=PlainCommand)
+@settings_options(*EVAL_SETTINGS)
 def needle(
     lengths: LengthsOption = "1k,2k,4k,7k",
     depths: str = typer.Option("0,10,20,30,40,50,60,70,80,90,100", help="Needle depths in percent, comma-separated."),
     budgets: BudgetsOption = "512,1024",
     modes: ModesOption = BOTH_MODES,
     model: ModelOption = None,
-    window: WindowOption = DEFAULTS.window,
-    kernel: KernelOption = DEFAULTS.kernel,
-    pooling: PoolingOption = DEFAULTS.pooling,
-    store_keep: StoreKeepOption = DEFAULTS.store_keep,
-    store_method: StoreMethodOption = DEFAULTS.store_method,
-    store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    settings_given: dict = None,  # the settings options EVAL_SETTINGS (snapkv_cli.options.settings_options)
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -94,7 +91,7 @@ def needle(
     depth_values = [d / 100 for d in parse_sizes(depths, name="--depths", minimum=0)]
     if any(not 0 <= d <= 1 for d in depth_values):
         raise ConfigError("--depths are percentages from 0 to 100")
-    settings = _settings(budgets, modes, window, kernel, pooling, store_keep, store_method, store_bits)
+    settings = _settings(budgets, modes, settings_given)
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
     too_long = [n for n in length_values if loaded.context_length and n + 200 > loaded.context_length]
@@ -122,18 +119,14 @@ def needle(
 
 
 @app.command(cls=PlainCommand)
+@settings_options(*EVAL_SETTINGS)
 def multi(
     tokens: str = typer.Option("4k", "--length", "--tokens", help="Document length in tokens: 4000, 4k (k = 1024)."),
     facts: int = typer.Option(8, min=1, max=10, help="How many different facts the document holds."),
     budgets: BudgetsOption = "512,1024",
     modes: ModesOption = BOTH_MODES,
     model: ModelOption = None,
-    window: WindowOption = DEFAULTS.window,
-    kernel: KernelOption = DEFAULTS.kernel,
-    pooling: PoolingOption = DEFAULTS.pooling,
-    store_keep: StoreKeepOption = DEFAULTS.store_keep,
-    store_method: StoreMethodOption = DEFAULTS.store_method,
-    store_bits: StoreBitsOption = DEFAULTS.store_bits,
+    settings_given: dict = None,  # the settings options EVAL_SETTINGS (snapkv_cli.options.settings_options)
     device: DeviceOption = "auto",
     dtype: DtypeOption = "auto",
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -146,7 +139,7 @@ def multi(
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
-    settings = _settings(budgets, modes, window, kernel, pooling, store_keep, store_method, store_bits)
+    settings = _settings(budgets, modes, settings_given)
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
     with working(err, "Evaluating...") as update:

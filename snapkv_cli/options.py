@@ -1,5 +1,7 @@
 """The command-line options the commands share, and the settings they build. Defaults come from snapkv.compression.config."""
 
+import functools
+import inspect
 from typing import Annotated, Literal, Optional
 
 import typer
@@ -83,9 +85,51 @@ LengthsOption = Annotated[str, typer.Option(
 BudgetsOption = Annotated[str, typer.Option(
     "--budget", "--budgets", help="SnapKV budgets (positions kept per KV head, window included), comma-separated.")]
 
-# The SnapKVConfig fields a command line sets; `explicit_settings` tells which were typed.
-SETTING_OPTIONS = ("budget", "window", "kernel", "pooling", "query_aware", "no_compress", "store_budget",
-                   "store_keep", "store_method", "store_bits", "prefill_chunk")
+# The options that set SnapKVConfig's fields, defined once: name -> (option, default). Commands take them with
+# @settings_options; `explicit_settings` tells which were typed.
+SETTINGS_OPTIONS = {
+    "budget": (BudgetOption, DEFAULTS.budget),
+    "window": (WindowOption, DEFAULTS.window),
+    "kernel": (KernelOption, DEFAULTS.kernel),
+    "pooling": (PoolingOption, DEFAULTS.pooling),
+    "query_aware": (QueryAwareOption, DEFAULTS.query_aware),
+    "store_keep": (StoreKeepOption, DEFAULTS.store_keep),
+    "store_method": (StoreMethodOption, DEFAULTS.store_method),
+    "store_bits": (StoreBitsOption, DEFAULTS.store_bits),
+    "prefill_chunk": (PrefillChunkOption, None),
+    "store_budget": (StoreBudgetOption, DEFAULTS.store_budget),
+    "no_compress": (NoCompressOption, False),
+}
+SETTING_OPTIONS = tuple(SETTINGS_OPTIONS)
+
+
+def settings_options(*names: str):
+    """A command decorator: the settings options `names` (every one by default) stand where the command's parameter
+    `settings_given` stands, each an option of its own to typer; the command is called with `settings_given`, their
+    values by name (for settings_from)."""
+    chosen = names or SETTING_OPTIONS
+
+    def decorate(command):
+        signature = inspect.signature(command)
+        parameters = []
+        for parameter in signature.parameters.values():
+            if parameter.name == "settings_given":
+                parameters += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=SETTINGS_OPTIONS[name][1],
+                                                 annotation=SETTINGS_OPTIONS[name][0]) for name in chosen]
+            else:
+                parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+        @functools.wraps(command)
+        def with_settings(**values):
+            return command(**{name: value for name, value in values.items() if name not in chosen},
+                           settings_given={name: values[name] for name in chosen})
+
+        with_settings.__signature__ = signature.replace(parameters=parameters)
+        return with_settings
+
+    return decorate
+
+
 STORE_OPTIONS = ("store_budget", "store_keep", "store_method", "store_bits")
 
 

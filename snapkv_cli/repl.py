@@ -9,14 +9,12 @@ from typing import Iterator, Optional
 
 import typer
 
-from snapkv.compression.config import DEFAULTS
 from snapkv.base.errors import SnapKVError
 from snapkv.base.paths import CACHE_SUFFIX as SUFFIX
 
-from .options import (BudgetOption, EngineOption, DeviceMapOption, DeviceOption, DtypeOption, KernelOption,
-                      MaxTokensOption, ModelOption, PasswordOption, PoolingOption, PrefillChunkOption,
-                      QueryAwareOption, SkipDigestOption, StoreBitsOption, StoreBudgetOption, StoreKeepOption,
-                      StoreMethodOption, SystemOption, TruncateOption, WindowOption, explicit_settings, settings_from)
+from .options import (DeviceMapOption, DeviceOption, DtypeOption, EngineOption, MaxTokensOption, ModelOption,
+                      PasswordOption, SETTING_OPTIONS, SkipDigestOption, SystemOption, TruncateOption,
+                      explicit_settings, settings_from, settings_options)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
   /help                 this text
@@ -148,21 +146,13 @@ class _State:
         ])
 
 
+@settings_options(*(name for name in SETTING_OPTIONS if name != "no_compress"))
 def repl(
     ctx: typer.Context,
     source: str = typer.Argument(..., metavar="SOURCE", help="A document, a folder of them, or a saved .snapkv cache."),
     model: ModelOption = None,
-    budget: BudgetOption = DEFAULTS.budget,
-    window: WindowOption = DEFAULTS.window,
-    kernel: KernelOption = DEFAULTS.kernel,
-    pooling: PoolingOption = DEFAULTS.pooling,
-    query_aware: QueryAwareOption = DEFAULTS.query_aware,
-    store_keep: StoreKeepOption = DEFAULTS.store_keep,
-    store_method: StoreMethodOption = DEFAULTS.store_method,
-    store_bits: StoreBitsOption = DEFAULTS.store_bits,
-    prefill_chunk: PrefillChunkOption = None,
+    settings_given: dict = None,  # the settings options (snapkv_cli.options.settings_options)
     engine: EngineOption = None,
-    store_budget: StoreBudgetOption = DEFAULTS.store_budget,
     no_store: bool = typer.Option(False, "--no-store", help="Neither look up nor save the document's cache."),
     skip_digest: SkipDigestOption = False,
     truncate: TruncateOption = None,
@@ -191,8 +181,7 @@ def repl(
     from .consoles import stderr_console, stdout_console, warn
 
     err, out = stderr_console(), stdout_console()
-    settings = settings_from(budget, window, kernel, pooling, query_aware, False, store_budget, store_keep,
-                             store_method, store_bits, prefill_chunk)
+    settings = settings_from(**settings_given)
 
     def open_source(spec: str, explicit: frozenset[str] = frozenset(), document=None):
         """A document's cache (from the store or a prefill) or a saved file's, warnings shown; `document`: the

@@ -194,3 +194,22 @@ def test_the_c_cut_gathers_rows_from_a_view_with_room(monkeypatch):
         assert torch.equal(gather_positions(states.to(dtype), indices), expected)
     with pytest.raises(IndexError):
         gather_positions(states, torch.full((1, 3, 2), 100))
+
+
+def test_a_plan_resolves_the_settings_once():
+    """Plan: the stored tier, its bits and each question's cut, read from SnapKVConfig once; where the stored cut is
+    made (during the prefill for SnapKV's document window, after it by probes for the query-aware tiers)."""
+    from snapkv.base.bits import Bits
+    from snapkv.compression.config import Plan
+
+    whole = Plan.of(None)
+    assert whole == Plan(None, Bits(16), None) and whole.mode == "full"
+    assert whole.during_prefill is None and whole.after_prefill is None
+    default = Plan.of(SnapKVConfig())
+    assert default.bits == Bits(16, 8) and default.per_question == SnapKVConfig().per_question
+    window = Plan.of(SnapKVConfig(query_aware=False, budget=512))
+    assert window.during_prefill == window.stored and window.after_prefill is None
+    shared = Plan.of(SnapKVConfig(store_keep=0.5, store_method="pseudo-question"))
+    sized = shared.sized_for(1000, range(100, 900))
+    assert shared.stored.budget is None and sized.stored.budget == 200 + 400  # around the document + half of it
+    assert sized.after_prefill == sized.stored and sized.during_prefill is None

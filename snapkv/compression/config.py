@@ -276,18 +276,45 @@ class SnapKVConfig:
 DEFAULTS = SnapKVConfig()
 
 
-def stored_tier_of(settings: SnapKVConfig | None) -> Cut | None:
-    """The stored cut of some settings; None (the full cache) keeps everything."""
-    return settings.stored_tier if settings is not None else None
+@dataclass(frozen=True)
+class Plan:
+    """SnapKVConfig resolved once (a Session does it when it is made) and passed down as it is: nothing below
+    parses settings again.
 
+    stored:       the stored tier's cut (None: every position is kept, the full cache)
+    bits:         the bits it is stored in
+    per_question: the cut each question makes of it (None: answered from the tier as it is)
+    """
 
-def stored_bits_of(settings: SnapKVConfig | None) -> Bits:
-    """The full cache (None), the baseline, is stored in 16 bits."""
-    return settings.store_bits if settings is not None else Bits(16)
+    stored: Cut | None
+    bits: Bits
+    per_question: Cut | None
 
+    @classmethod
+    def of(cls, settings: SnapKVConfig | None) -> "Plan":
+        """The plan of some settings; None (the full cache, the baseline) is kept whole in 16 bits."""
+        if settings is None:
+            return cls(None, Bits(16), None)
+        return cls(settings.stored_tier, settings.store_bits, settings.per_question)
 
-def per_question_of(settings: SnapKVConfig | None) -> Cut | None:
-    return settings.per_question if settings is not None else None
+    @property
+    def mode(self) -> Mode:
+        return mode_of(self.stored, self.per_question)
+
+    def sized_for(self, length: int, document: range) -> "Plan":
+        """This plan with its stored cut's budget for a prompt of `length` positions holding the document at
+        `document` (Cut.sized_for)."""
+        return replace(self, stored=self.stored.sized_for(length, document) if self.stored is not None else None)
+
+    @property
+    def during_prefill(self) -> Cut | None:
+        """The stored cut where it is made as the prompt is prefilled (SnapKV's document window), else None."""
+        return self.stored if self.stored is not None and self.stored.method.scores_during_prefill else None
+
+    @property
+    def after_prefill(self) -> Cut | None:
+        """The stored cut where it is chosen after the prefill, by probes (the query-aware tiers), else None."""
+        return self.stored if self.stored is not None and not self.stored.method.scores_during_prefill else None
 
 
 # ---- how answers run (snapkv.engine.engines) and which C kernels (snapkv.native): read from the environment ----

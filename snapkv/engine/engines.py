@@ -3,13 +3,13 @@ or says it does not apply here (None) and the next engine in the order is asked.
 
     reference  the model's own forward (transformers), for every model and device: the answers the others are
                checked against (tests/test_engines.py)
-    torch      snapkv.engine.lean_decode: the same layers as the few PyTorch calls they need (a plain Llama-family model
-               on CPU; fp32 results to the bit)
-    native     the torch engine's layers with their parts in C (snapkv.engine.native_decode), a saved layer attended and cut
-               from its codes (snapkv.engine.coded_attention), and each decoded token through every layer in one C call
-               (projections in 4/8-bit blocks, fp32 on CPU); within fp32 rounding of the torch engine
-    compiled   decode steps by torch.compile over a static copy of the cache (snapkv.engine.compiled); its question pass is
-               native's (or the next that applies)
+    torch      snapkv.engine.lean_decode: the same layers as the few PyTorch calls they need (a plain
+               Llama-family model on CPU; fp32 results to the bit)
+    native     the torch engine's layers with their parts in C (snapkv.engine.native_decode), a saved layer attended
+               and cut from its codes (snapkv.engine.coded_attention), and each decoded token through every layer in
+               one C call (projections in 4/8-bit blocks, fp32 on CPU); within fp32 rounding of the torch engine
+    compiled   decode steps by torch.compile over a static copy of the cache (snapkv.engine.compiled); its question
+               pass is native's (or the next that applies)
 
 One setting chooses (`--engine`, SNAPKV_ENGINE): auto (native, torch, reference: the first that applies), or an
 engine to start from, the ones after it taking what it does not apply to. Which engine ran the question pass and
@@ -140,7 +140,7 @@ class Torch(Engine):
     def question_pass(self, model, question_ids, start, working, plan):
         if not lean_decode.qualifies(model, working):
             return None
-        return lean_decode.question_pass(model, question_ids.to(model.get_input_embeddings().weight.device), start, working, plan)
+        return lean_decode.question_pass(model, question_ids.to(model_device(model)), start, working, plan)
 
     def stepper(self, model, working, position, steps):
         if not lean_decode.qualifies(model, working):
@@ -166,7 +166,7 @@ class Native(Engine):
     def question_pass(self, model, question_ids, start, working, plan):
         if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):
             return None
-        return lean_decode.question_pass(model, question_ids.to(model.get_input_embeddings().weight.device), start, working, plan,
+        return lean_decode.question_pass(model, question_ids.to(model_device(model)), start, working, plan,
                                          native_decode.question_layers(model), from_codes=True)
 
     def stepper(self, model, working, position, steps):

@@ -189,7 +189,7 @@ def answer(
         plan = CompressionPlan(per_question, window=q)
     engines = engine_order(engine)
     used = used if used is not None else EngineUse()
-    used.kernels = native.variant()
+    used.kernels = native.variant() if device.type == "cpu" else None  # the C kernels run on CPU only
     working = cache.to_dynamic_cache(model.config, into_room=True)
     generator = None
     if sampling.seed is not None:

@@ -22,7 +22,7 @@ import torch
 
 from snapkv.base.bits import Bits
 from snapkv.compression.compress import cache_argument
-from snapkv.compression.config import Cut, Tier
+from snapkv.compression.config import Cut, Plan, Tier
 from snapkv.compression.methods import Method, Probe, PseudoQuestion
 from snapkv.compression.scoring import gather_positions
 from snapkv.engine.generation import chunked_prefill, model_device, prefill, run_forward
@@ -185,17 +185,17 @@ def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: 
     return at_stored_precision(model, prompter, whole, bits, on_step)
 
 
-def build_tier(model, prompter, context_ids: torch.Tensor, document: range, cut: Cut | None, bits: "Bits | int",
-               tier: Tier, on_layer: Progress | None = None, on_step: Progress | None = None,
+def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan: Plan, tier: Tier,
+               on_layer: Progress | None = None, on_step: Progress | None = None,
                timings: dict | None = None, on_chunk: Progress | None = None) -> CompressedCache:
-    """Prefill a prompt into the cache that is stored: cut during the prefill (snapkv's document window) or
-    after it by probes, then rounded to its stored precision. `tier` carries the truncation.
+    """Prefill a prompt into the cache that is stored, as `plan` says: cut during the prefill (snapkv's document
+    window) or after it by probes, then rounded to its stored bits. `tier` carries the truncation.
 
     timings: filled with "prefill_seconds" and "tier_seconds" (the scoring, cut and rounding after it).
     on_chunk: progress of a prefill in chunks (tokens done, in all); on_layer if not given.
     """
-    cut = cut.sized_for(len(context_ids), document) if cut is not None else None
-    during = cut if cut is not None and cut.method.scores_during_prefill else None
+    plan = plan.sized_for(len(context_ids), document)
+    during, after, bits = plan.during_prefill, plan.after_prefill, plan.bits
     started = time.perf_counter()
     if during is not None and during.chunk is not None and len(context_ids) > during.chunk:
         cache = chunked_prefill(model, context_ids, during, during.chunk, on_chunk=on_chunk or on_layer,
@@ -204,10 +204,10 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, cut:
         cache = prefill(model, context_ids, during, on_layer=on_layer, tier=replace(tier, cut=during, bits=16),
                         document=document)
     prefilled = time.perf_counter()
-    if during is None and cut is not None:
+    if after is not None:
         # cut the whole cache as a 16-bit file of it would hold it, so that deriving this tier later from such
         # a file gives the same cache
-        cache = derive_tier(model, prompter, cache.at_precision(16), cut, bits, on_step)
+        cache = derive_tier(model, prompter, cache.at_precision(16), after, bits, on_step)
     else:
         # through 16 bits first, as a whole 16-bit file of it would hold it (a no-op for a 16-bit model)
         cache = at_stored_precision(model, prompter, cache.at_precision(16), bits, on_step)

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from snapkv.compression.config import DEFAULTS, SnapKVConfig, per_question_of, stored_bits_of, stored_tier_of
+from snapkv.compression.config import DEFAULTS, Plan, SnapKVConfig
 from snapkv.engine.models import LoadedModel
 from snapkv.io.documents import Document
 from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
@@ -74,14 +74,15 @@ def _prepare(session: Session, document: Document, by_tier: dict) -> PreparedDoc
     """Once per stored tier and bits. The full cache serves 'full' and every query-aware budget of a whole tier;
     a tier chosen after the prefill is derived from it (scored once per method: by_tier["scores"])."""
     settings = session.settings
-    key = (stored_tier_of(settings), stored_bits_of(settings))
+    plan = Plan.of(settings)
+    key = (plan.stored, plan.bits)
     if key not in by_tier:
         stored, whole = key[0], by_tier.get(WHOLE)
         if whole is not None and (stored is None or not stored.method.scores_during_prefill):
             by_tier[key] = session.derive(whole, scores_memo=by_tier.setdefault("scores", {}))
         else:
             by_tier[key] = session.prepare(document)
-    return by_tier[key].answering_with(per_question_of(settings))
+    return by_tier[key].answering_with(plan.per_question)
 
 
 def needle_grid(loaded: LoadedModel, lengths: list[int], depths: list[float], settings: list[EvalSetting],
