@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 VERSIONS=("$@")
-[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(5.20.0 5.25.0)  # the range's ends: pyproject.toml says transformers>=5.20,<5.26
+[ ${#VERSIONS[@]} -gt 0 ] || VERSIONS=(5.24.0 5.25.0)  # the range's ends: pyproject.toml says transformers>=5.24,<5.26
 ENGINE_TESTS=(tests/test_engines.py tests/test_engine.py tests/test_native_decode.py tests/test_coded_attention.py
               tests/test_models.py)
 
