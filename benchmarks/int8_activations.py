@@ -39,7 +39,8 @@ SHAPES = (("q/k/v", 960, 576, 4), ("o", 576, 576, 4), ("gate/up", 3072, 576, 4),
 def candidate(folder: str) -> ctypes.CDLL:
     here = Path(__file__).parent
     library = Path(folder) / "int8_activations.so"
-    subprocess.run(["cc", *native.FLAGS, f"-I{here.parent / 'snapkv' / 'kernels'}",
+    subprocess.run(["cc", *native.FLAGS, *native.VARIANT_FLAGS["avx2"], native.OPENMP,
+                    f"-I{here.parent / 'snapkv' / 'native' / 'kernels'}",
                     str(here / "kernels" / "int8_activations.c"), "-o", str(library)], check=True)
     loaded = ctypes.CDLL(str(library))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
