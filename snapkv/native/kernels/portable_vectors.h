@@ -5,8 +5,9 @@
  *   - SNAPKV_EMULATED_WIDE (the AVX2 kernels): only the AVX-512 ones, so that the 16-lane kernels (a question's
  *     attention from a saved cache's codes) run on 256-bit hardware; the 128- and 256-bit intrinsics stay the CPU's.
  * Each intrinsic keeps its Intel name through a macro naming a pv_ function, so the kernels read the same in every
- * build (each name #undef'd first: immintrin.h defines some as macros). Each function does what Intel's manual says its intrinsic does, lane by lane (a fused multiply-add where the
- * target has one, else a product then a sum); only the names the kernels use are here. */
+ * build (each name #undef'd first: immintrin.h defines some as macros). Each function does what Intel's manual says
+ * its intrinsic does, lane by lane (a fused multiply-add where the target has one, else a product then a sum); on
+ * x86-64 the generic build widens bytes with SSE2, its baseline (below). Only the names the kernels use are here. */
 #ifndef SNAPKV_PORTABLE_VECTORS_H
 #define SNAPKV_PORTABLE_VECTORS_H
 
@@ -21,6 +22,49 @@
 #endif
 
 #define PV_LANES(n) for (int i = 0; i < (n); i++)
+
+#if defined(SNAPKV_PORTABLE) && defined(__SSE2__) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+/* x86-64's baseline, SSE2, where the generic build runs on x86-64: the codes' bytes moved and widened to 32-bit
+ * lanes, and made floats, by its shift, unpack and convert instructions (gcc writes the lane-by-lane versions below
+ * as a scalar conversion per byte). Defined before the names below are mapped, so that these are the CPU's own. */
+#include <emmintrin.h>
+#define PV_SSE2 1
+typedef __m128i pv_sse2_bytes;
+typedef int32_t pv_sse2_words __attribute__((vector_size(16)));
+typedef int32_t pv_sse2_words8 __attribute__((vector_size(32)));
+typedef float pv_sse2_floats8 __attribute__((vector_size(32)));
+
+/* The low 8 bytes of `bytes` as 8 int32, zero- or sign-extended. */
+static inline pv_sse2_words8 pv_sse2_widen_bytes(pv_sse2_bytes bytes, int is_signed) {
+    pv_sse2_bytes words, low, high;
+    if (is_signed) {
+        words = _mm_srai_epi16(_mm_unpacklo_epi8(bytes, bytes), 8);  /* each byte in the high half, shifted down */
+        low = _mm_srai_epi32(_mm_unpacklo_epi16(words, words), 16);
+        high = _mm_srai_epi32(_mm_unpackhi_epi16(words, words), 16);
+    } else {
+        const pv_sse2_bytes zero = _mm_setzero_si128();
+        words = _mm_unpacklo_epi8(bytes, zero);
+        low = _mm_unpacklo_epi16(words, zero);
+        high = _mm_unpackhi_epi16(words, zero);
+    }
+    return __builtin_shufflevector((pv_sse2_words)low, (pv_sse2_words)high, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+/* 8 int32 as 8 floats. */
+static inline pv_sse2_floats8 pv_sse2_to_floats(pv_sse2_words8 words) {
+    const __m128 low = _mm_cvtepi32_ps((pv_sse2_bytes)__builtin_shufflevector(words, words, 0, 1, 2, 3));
+    const __m128 high = _mm_cvtepi32_ps((pv_sse2_bytes)__builtin_shufflevector(words, words, 4, 5, 6, 7));
+    return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+
+/* The high 8 bytes moved down, zeros above (the kernels' one use of a byte shift). */
+static inline pv_sse2_bytes pv_sse2_high_half(pv_sse2_bytes bytes) { return _mm_srli_si128(bytes, 8); }
+#endif
+#endif
+#ifndef PV_SSE2
+#define PV_SSE2 0
+#endif
 
 /* IEEE half (binary16) bits to a float, exactly (subnormals, infinities and NaNs included). */
 static inline float pv_half_to_float(uint16_t half) {
@@ -279,6 +323,9 @@ static inline pv_m128i pv_mm_srli_epi16(pv_m128i a, unsigned count) {
     return count > 15 ? (pv_m128i){0} : (pv_m128i)((pv_halves8)a >> count);
 }
 static inline pv_m128i pv_mm_srli_si128(pv_m128i a, int bytes) {  /* the whole register, bytes to the right */
+#if PV_SSE2
+    if (bytes == 8) return (pv_m128i)pv_sse2_high_half((pv_sse2_bytes)a);
+#endif
     const pv_bytes16 from = (pv_bytes16)a;
     pv_bytes16 v;
     PV_LANES(16) v[i] = i + bytes < 16 ? from[i + bytes] : 0;
@@ -325,7 +372,14 @@ static inline pv_m256 pv_mm256_round_ps(pv_m256 a, int mode) {  /* to nearest: t
     return v;
 }
 static inline pv_m256i pv_mm256_cvtps_epi32(pv_m256 a) { pv_m256i v; PV_LANES(8) v[i] = (int32_t)rintf(a[i]); return v; }
-static inline pv_m256 pv_mm256_cvtepi32_ps(pv_m256i a) { pv_m256 v; PV_LANES(8) v[i] = (float)a[i]; return v; }
+static inline pv_m256 pv_mm256_cvtepi32_ps(pv_m256i a) {
+#if PV_SSE2
+    return pv_sse2_to_floats(a);
+#endif
+    pv_m256 v;
+    PV_LANES(8) v[i] = (float)a[i];
+    return v;
+}
 static inline pv_m256 pv_mm256_castsi256_ps(pv_m256i a) { return (pv_m256)a; }
 static inline pv_m256i pv_mm256_add_epi32(pv_m256i a, pv_m256i b) { return (pv_m256i)((pv_words8)a + (pv_words8)b); }
 static inline pv_m256i pv_mm256_and_si256(pv_m256i a, pv_m256i b) { return a & b; }
@@ -338,12 +392,18 @@ static inline pv_m256i pv_mm256_srlv_epi32(pv_m256i a, pv_m256i count) {
     return v;
 }
 static inline pv_m256i pv_mm256_cvtepu8_epi32(pv_m128i a) {  /* the low 8 bytes, widened */
+#if PV_SSE2
+    return pv_sse2_widen_bytes((pv_sse2_bytes)a, 0);
+#endif
     const pv_bytes16 b = (pv_bytes16)a;
     pv_m256i v;
     PV_LANES(8) v[i] = b[i];
     return v;
 }
 static inline pv_m256i pv_mm256_cvtepi8_epi32(pv_m128i a) {
+#if PV_SSE2
+    return pv_sse2_widen_bytes((pv_sse2_bytes)a, 1);
+#endif
     const pv_bytes16 b = (pv_bytes16)a;
     pv_m256i v;
     PV_LANES(8) v[i] = (int8_t)b[i];
