@@ -142,8 +142,8 @@ def _x86_capability() -> str | None:
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(capability)
 
 
-def _runnable() -> tuple[str, ...]:
-    """The variants this CPU runs, widest first."""
+def runnable_variants() -> tuple[str, ...]:
+    """The variants this CPU runs, widest first (the suite tests each)."""
     capability = _x86_capability()
     if capability == "avx512":
         return ("avx512", "avx2", "generic")
@@ -160,11 +160,6 @@ def setting() -> str:
     return value
 
 
-def runnable_variants() -> tuple[str, ...]:
-    """The variants this CPU runs, widest first (tests run each)."""
-    return _runnable()
-
-
 def _chosen_variant() -> str:
     """The variant SNAPKV_KERNELS asks for on this CPU (off: auto's, for what was set up on the kernels before: off is
     unavailable_reason()'s business), or NativeUnavailable saying why there is none."""
@@ -172,7 +167,7 @@ def _chosen_variant() -> str:
         asked = setting()
     except ValueError as error:
         raise NativeUnavailable(str(error)) from error
-    runnable = _runnable()
+    runnable = runnable_variants()
     if asked in ("auto", "off"):
         return runnable[0]
     if asked not in runnable:
