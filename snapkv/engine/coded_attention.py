@@ -95,10 +95,12 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         keys.shape[1], keys.scheme.bits, keys.scheme.group, int(keys.scheme.rotated), values.scheme.bits,
         values.scheme.group)], ctypes.c_int64)
     sharp = layer.stored_keys.sharp.contiguous() if isinstance(layer.stored_keys, Mixed) else None  # (kv_heads, stored)
+    fp32, own = torch.float32, (1, kv_heads, rows, head_dim)
     if native.kernels().attend_coded_and_cut(
-            query.data_ptr(), kv_heads, group * rows, rows, module.scaling, head_dim, len(parts), pointers, shapes,
-            (head_dim & -head_dim) if rotated else 0, int(parts[0][1].scheme.rotated), key.data_ptr(),
-            value.data_ptr(), None if sharp is None else sharp.data_ptr(), method.kernel,
+            native.pointer(query, fp32, (1, heads, rows, head_dim)), kv_heads, group * rows, rows, module.scaling,
+            head_dim, len(parts), pointers, shapes, (head_dim & -head_dim) if rotated else 0,
+            int(parts[0][1].scheme.rotated), native.pointer(key, fp32, own), native.pointer(value, fp32, own),
+            None if sharp is None else native.pointer(sharp, torch.bool, (kv_heads, stored)), method.kernel,
             int(method.pooling == "max"), plan.prefix_keep, window, output.data_ptr(), indices.data_ptr(), kept,
             kept_keys.data_ptr(), kept_values.data_ptr(), torch.get_num_threads()) != 0:
         return None  # a NaN score, or memory ran out: the restored path decides

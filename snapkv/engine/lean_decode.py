@@ -114,7 +114,9 @@ def _with_rope(projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
             and native.unavailable_reason() is None):
         x, cos, sin = projected.contiguous(), cos.contiguous(), sin.contiguous()
         out = torch.empty(1, width // head_dim, rows, head_dim)
-        if native.kernels().rope_rows(x.data_ptr(), rows, width // head_dim, head_dim, cos.data_ptr(), sin.data_ptr(),
+        fp32, angles = torch.float32, (1, rows, head_dim)
+        if native.kernels().rope_rows(native.pointer(x, fp32, (1, rows, width)), rows, width // head_dim, head_dim,
+                                      native.pointer(cos, fp32, angles), native.pointer(sin, fp32, angles),
                                       out.data_ptr()) == 0:
             return out
     x = projected.view(1, rows, -1, head_dim).transpose(1, 2)

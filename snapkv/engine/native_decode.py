@@ -79,9 +79,11 @@ class NativeDecoder:
             cos, sin = _rotary(self._model, position, 1)
             cos, sin = cos[0], sin[0]
         self._hidden.copy_(inner.embed_tokens.weight[token])
+        head_dim = (self._shape.head_dim,)
         status = native.kernels().decode_token(
-            ctypes.byref(self._shape), self._layers, len(self._layers), self._hidden.data_ptr(), cos.data_ptr(),
-            sin.data_ptr(), torch.get_num_threads())
+            ctypes.byref(self._shape), self._layers, len(self._layers), self._hidden.data_ptr(),
+            native.pointer(cos, torch.float32, head_dim), native.pointer(sin, torch.float32, head_dim),
+            torch.get_num_threads())
         if status == ROOM_EXHAUSTED:
             return None
         if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
@@ -181,20 +183,23 @@ class QuestionLayers:
         query = torch.empty(1, shape.heads, rows, shape.head_dim)
         key, value = (torch.empty(1, shape.kv_heads, rows, shape.head_dim) for _ in range(2))
         cos, sin = cos.contiguous(), sin.contiguous()
+        fp32, angles = torch.float32, (1, rows, shape.head_dim)
         if native.kernels().question_before_attention(
-                ctypes.byref(shape), ctypes.byref(self._layers[index]), rows, hidden.data_ptr(), cos.data_ptr(),
-                sin.data_ptr(), normed.data_ptr(), query.data_ptr(), key.data_ptr(), value.data_ptr(),
-                torch.get_num_threads()) != 0:
+                ctypes.byref(shape), ctypes.byref(self._layers[index]), rows,
+                native.pointer(hidden, fp32, (1, rows, shape.hidden)), native.pointer(cos, fp32, angles),
+                native.pointer(sin, fp32, angles), normed.data_ptr(), query.data_ptr(), key.data_ptr(),
+                value.data_ptr(), torch.get_num_threads()) != 0:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
         return normed, query, key, value
 
     def after(self, index: int, attended: torch.Tensor, hidden: torch.Tensor) -> None:
         """hidden (1, q, hidden) in place: plus the attention's projection, then plus the MLP's output; attended
         (1, q, heads * head_dim)."""
-        attended = attended.contiguous()
+        attended, shape, rows = attended.contiguous(), self._shape, hidden.shape[1]
         if native.kernels().question_after_attention(
-                ctypes.byref(self._shape), ctypes.byref(self._layers[index]), hidden.shape[1], attended.data_ptr(),
-                hidden.data_ptr(), torch.get_num_threads()) != 0:
+                ctypes.byref(shape), ctypes.byref(self._layers[index]), rows,
+                native.pointer(attended, torch.float32, (1, rows, shape.heads * shape.head_dim)),
+                native.pointer(hidden, torch.float32, (1, rows, shape.hidden)), torch.get_num_threads()) != 0:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
 
 
