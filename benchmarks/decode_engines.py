@@ -37,7 +37,10 @@ def kernels_variant(variant: str):
     try:
         yield
     finally:
-        os.environ.pop(native.SETTING) if before is None else os.environ.__setitem__(native.SETTING, before)
+        if before is None:
+            os.environ.pop(native.SETTING)
+        else:
+            os.environ[native.SETTING] = before
 
 
 @contextmanager

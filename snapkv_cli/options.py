@@ -100,14 +100,13 @@ SETTINGS_OPTIONS = {
     "store_budget": (StoreBudgetOption, DEFAULTS.store_budget),
     "no_compress": (NoCompressOption, False),
 }
-SETTING_OPTIONS = tuple(SETTINGS_OPTIONS)
 
 
 def settings_options(*names: str):
     """A command decorator: the settings options `names` (every one by default) stand where the command's parameter
     `settings_given` stands, each an option of its own to typer; the command is called with `settings_given`, their
     values by name (for settings_from)."""
-    chosen = names or SETTING_OPTIONS
+    chosen = names or tuple(SETTINGS_OPTIONS)
 
     def decorate(command):
         signature = inspect.signature(command)
@@ -152,7 +151,7 @@ def settings_from(budget: int = DEFAULTS.budget, window: int = DEFAULTS.window, 
 def explicit_settings(ctx: typer.Context) -> frozenset[str]:
     """The settings options given on the command line (not left at their defaults)."""
     given = set()
-    for name in SETTING_OPTIONS:
+    for name in SETTINGS_OPTIONS:
         source = ctx.get_parameter_source(name)  # None for an option the command does not have
         if source is not None and source.name not in ("DEFAULT", "DEFAULT_MAP"):
             given.add(name)

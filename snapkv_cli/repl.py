@@ -13,7 +13,7 @@ from snapkv.base.errors import SnapKVError
 from snapkv.base.paths import CACHE_SUFFIX as SUFFIX
 
 from .options import (DeviceMapOption, DeviceOption, DtypeOption, EngineOption, MaxTokensOption, ModelOption,
-                      PasswordOption, SETTING_OPTIONS, SkipDigestOption, SystemOption, TruncateOption,
+                      PasswordOption, SETTINGS_OPTIONS, SkipDigestOption, SystemOption, TruncateOption,
                       explicit_settings, settings_from, settings_options)
 
 HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
@@ -146,7 +146,7 @@ class _State:
         ])
 
 
-@settings_options(*(name for name in SETTING_OPTIONS if name != "no_compress"))
+@settings_options(*(name for name in SETTINGS_OPTIONS if name != "no_compress"))
 def repl(
     ctx: typer.Context,
     source: str = typer.Argument(..., metavar="SOURCE", help="A document, a folder of them, or a saved .snapkv cache."),

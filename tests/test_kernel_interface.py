@@ -108,7 +108,7 @@ def test_the_setting_is_checked_and_the_cpu_decides_what_runs(monkeypatch):
     monkeypatch.setattr(native, "_x86_capability", lambda: None)  # arm64
     assert native.runnable_variants() == ("generic",)
     monkeypatch.setenv(native.SETTING, "auto")
-    assert native._chosen_variant() == "generic"
+    assert native._variant_for(native.setting()) == "generic"
 
 
 @needs_kernels

@@ -95,11 +95,9 @@ def run_forward(
 
 def _ready_in_place(model, working: DynamicCache, steps: int) -> None:
     """Each layer copied once into a buffer with room for the answer, where writing in place pays
-    (snapkv.modeling.presized); done once, whichever engine asks first."""
-    if not getattr(working, "_snapkv_presized", False):
-        if presize_pays(model, working):
-            presize(working, steps)
-        working._snapkv_presized = True
+    (snapkv.modeling.presized); whichever engine asks first does it (presize leaves a presized layer as it is)."""
+    if presize_pays(model, working):
+        presize(working, steps)
 
 
 class _ForwardSteps(Stepper):
@@ -179,15 +177,13 @@ class Native(Engine):
 
 class _CompiledSteps(Stepper):
     def __init__(self, decoder, working: DynamicCache, steps: int) -> None:
-        self._decoder, self._working, self._steps = decoder, working, steps
+        self._decoder, self._working = decoder, working
         self._static = decoder.static_copy(working, steps)
-        self._taken = 0
 
     def step(self, token: int, position: int) -> torch.Tensor | None:
         logits = self._decoder.step(token, position, self._static)
         if logits is None:  # compiling failed before anything was written: the next engine goes on eagerly
             return None
-        self._taken += 1
         self._working.layers.clear()  # the static copy holds everything now: one cache in memory, not two
         return logits
 

@@ -160,13 +160,9 @@ def setting() -> str:
     return value
 
 
-def _chosen_variant() -> str:
-    """The variant SNAPKV_KERNELS asks for on this CPU (off: auto's, for what was set up on the kernels before: off is
-    unavailable_reason()'s business), or NativeUnavailable saying why there is none."""
-    try:
-        asked = setting()
-    except ValueError as error:
-        raise NativeUnavailable(str(error)) from error
+def _variant_for(asked: str) -> str:
+    """The variant a SNAPKV_KERNELS value asks for on this CPU (off: auto's, for what was set up on the kernels before:
+    off is unavailable_reason()'s business), or NativeUnavailable saying why there is none."""
     runnable = runnable_variants()
     if asked in ("auto", "off"):
         return runnable[0]
@@ -236,10 +232,7 @@ def _load(variant: str) -> ctypes.CDLL:
 _loaded: dict[str, object] = {}  # per variant: its library, or why it failed (one attempt per process)
 
 
-def kernels() -> ctypes.CDLL:
-    """The loaded library of the variant SNAPKV_KERNELS chooses (kernels.h's functions, bound as BINDINGS says), or
-    NativeUnavailable. Each variant is built and loaded once per process."""
-    variant = _chosen_variant()
+def _library(variant: str) -> ctypes.CDLL:
     if variant not in _loaded:
         try:
             _loaded[variant] = _load(variant)
@@ -252,16 +245,26 @@ def kernels() -> ctypes.CDLL:
     return _loaded[variant]
 
 
-def unavailable_reason() -> str | None:
-    """None where the kernels are to be used, else why not. SNAPKV_KERNELS=off is read here, each time it is asked
-    (for the weight blocks where a model is set up, not on every product; for a saved cache on each restore; for a
-    question's attention on each layer's call; for the decode step on each answer)."""
-    with contextlib.suppress(ValueError):
-        if setting() == "off":
-            return f"turned off by {SETTING}=off"
+def kernels() -> ctypes.CDLL:
+    """The loaded library of the variant SNAPKV_KERNELS chooses (kernels.h's functions, bound as BINDINGS says), or
+    NativeUnavailable. Each variant is built and loaded once per process."""
     try:
-        kernels()
-    except NativeUnavailable as error:
+        asked = setting()
+    except ValueError as error:
+        raise NativeUnavailable(str(error)) from error
+    return _library(_variant_for(asked))
+
+
+def unavailable_reason() -> str | None:
+    """None where the kernels are to be used, else why not. SNAPKV_KERNELS is read here each time it is asked, off
+    included (for the weight blocks where a model is set up, not on every product; for a saved cache on each restore;
+    for a question's attention on each layer's call; for the decode step on each answer)."""
+    try:
+        asked = setting()
+        if asked == "off":
+            return f"turned off by {SETTING}=off"
+        _library(_variant_for(asked))
+    except (ValueError, NativeUnavailable) as error:
         return str(error)
     return None
 
