@@ -160,3 +160,71 @@ def test_the_kernel_tests_pass_with_every_other_variant_this_cpu_runs(variant, t
                             env=environment, cwd=here.parent, timeout=1100)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout.splitlines()[-1]
+
+
+def _attention_and_products(seed: int, head_dim: int, tokens: int) -> dict[str, torch.Tensor]:
+    """few_rows.c's two entry points on fixed random inputs, with the variant SNAPKV_KERNELS names: a question's
+    attention (kv_heads 2, 3 query heads each, a question of 7 tokens, a window of 4) over `tokens` keys, and a
+    linear layer from 4-bit and from 8-bit blocks."""
+    generator = torch.Generator().manual_seed(seed)
+    kv_heads, group, question, window = 2, 3, 7, 4
+    rows = group * question
+    query = torch.randn(kv_heads, rows, head_dim, generator=generator)
+    keys, values = (torch.randn(kv_heads, tokens, head_dim, generator=generator) for _ in range(2))
+    tail = torch.zeros(question, question).masked_fill_(torch.ones(question, question).triu(1).bool(), float("-inf"))
+    weights = torch.empty(kv_heads, rows, tokens)
+    out = torch.empty(kv_heads, rows, head_dim)
+    sums = torch.empty(kv_heads, group, tokens)
+    library = native.kernels()
+    assert library.attend_rows(query.data_ptr(), kv_heads, rows, question, 0.125, keys.data_ptr(), tokens * head_dim,
+                               values.data_ptr(), tokens * head_dim, tokens, head_dim, tail.data_ptr(),
+                               weights.data_ptr(), out.data_ptr(), window, sums.data_ptr(), 2) == 0
+    found = {"attention": out, "window_sums": sums}
+    x = torch.randn(5, 96, generator=generator)
+    for bits in (4, 8):
+        codes = torch.randint(0, 256, (40, 96 // 2 if bits == 4 else 96), dtype=torch.uint8, generator=generator)
+        scale = torch.rand(40, 3, generator=generator) / 50
+        minimum = -torch.rand(40, 3, generator=generator) / 10 if bits == 4 else None
+        y = torch.empty(5, 40)
+        assert library.linear_rows_blocks(x.data_ptr(), 5, 96, bits, codes.data_ptr(), scale.data_ptr(),
+                                          minimum.data_ptr() if minimum is not None else None, 40, y.data_ptr(),
+                                          2) == 0
+        found[f"linear_{bits}bit"] = y
+    return found
+
+
+@needs_kernels
+@pytest.mark.parametrize("head_dim, tokens", [(64, 300), (80, 517)])
+def test_every_variant_this_cpu_runs_gives_a_questions_attention_and_products_the_same_sums(head_dim, tokens,
+                                                                                             monkeypatch):
+    """The builds compute the same sums in the same order (tile widths, runs of values and 4-lane helpers differ):
+    avx512 and avx2 give the same bits; generic the same where its target fuses multiply-adds (arm64), else (x86-64's
+    SSE2 has no fused multiply-add) within rounding. Checked against PyTorch too. 300 and 517 tokens: runs of values
+    that do not divide them, tiles of keys left part full; head_dim 80: AVX-512's 64 columns and 16 more."""
+    import platform
+
+    results = {}
+    for variant in native.runnable_variants():
+        monkeypatch.setenv(native.SETTING, variant)
+        results[variant] = _attention_and_products(7, head_dim, tokens)
+    monkeypatch.delenv(native.SETTING)
+    fused = {"avx512", "avx2"} | ({"generic"} if platform.machine().lower() in ("aarch64", "arm64") else set())
+    exact = [variant for variant in results if variant in fused]
+    for variant in exact[1:]:
+        for name, tensor in results[exact[0]].items():
+            assert torch.equal(tensor, results[variant][name]), f"{variant} {name} differs from {exact[0]}'s"
+    for variant in results:
+        for name, tensor in results[exact[0] if exact else variant].items():
+            torch.testing.assert_close(results[variant][name], tensor, rtol=1e-5, atol=1e-5)
+
+    generator = torch.Generator().manual_seed(7)  # the same inputs, for PyTorch's answer
+    query = torch.randn(2, 21, head_dim, generator=generator)
+    keys, values = (torch.randn(2, tokens, head_dim, generator=generator) for _ in range(2))
+    scores = (query * 0.125) @ keys.transpose(1, 2)  # (kv_heads, rows, tokens)
+    own = torch.ones(7, 7).triu(1).bool().repeat(3, 1)  # (rows, question): each row's later question tokens
+    scores[:, :, tokens - 7:] = scores[:, :, tokens - 7:].masked_fill(own, float("-inf"))
+    softmax = scores.softmax(-1)
+    for variant, found in results.items():
+        torch.testing.assert_close(found["attention"], softmax @ values, rtol=1e-4, atol=1e-5)
+        window_sums = softmax.view(2, 3, 7, tokens)[:, :, 3:].sum(2)  # the question's last 4 rows, per query head
+        torch.testing.assert_close(found["window_sums"], window_sums, rtol=1e-4, atol=1e-6)

@@ -218,7 +218,7 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
                     if (stored[i].rotated_keys) rows_in = rotated[h];
                 }
                 float *scores = weights + h * rows * tokens + column;  /* (rows, count), rows `tokens` apart */
-                rows_times_tile(rows_in, rows, head_dim, tile, count, scores, tokens, 1);
+                rows_times_tile(rows_in, rows, head_dim, tile, WIDE_TILE, count, scores, tokens, 1);
                 finish_score_tile(scores, rows, tokens, column, count, tail_mask, question, maxima);
                 for (int64_t r = 0; r < rows; r++) {
                     if (maxima[r] > top[r]) {  /* a larger score: what the row summed so far, scaled to it */

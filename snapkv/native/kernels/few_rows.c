@@ -1,7 +1,8 @@
 /* Products for a few fp32 rows (a question's tokens) against many: a question's attention over a long cache, and
- * a linear layer's product with its fp32 weights. Both read the long side 16 rows at a time, transposed in
- * registers into a (depth, 16) tile that feeds every short row through a register tile of 6 rows x 16 columns:
- * for ~20 tokens PyTorch's matmuls reach about half of this CPU's fp32 rate, these about 3/4.
+ * a linear layer's product with its fp32 weights. Both read the long side 64 rows at a time (a linear layer's 16 at a
+ * time without AVX-512, so that its tile stays in the nearest cache), transposed into a (depth, 64) tile that feeds
+ * every short row through a register tile of 6 rows x 64 columns (AVX-512) or 6 x 16: for ~20 tokens PyTorch's
+ * matmuls reach about half of this CPU's fp32 rate, these about 3/4.
  *
  * attend_rows: scores, softmax and the weighted sum of the values in one call, for one batch entry.
  *   query:   (kv_heads, rows, head_dim), the query heads of each KV head one after another (row r is the
@@ -45,9 +46,8 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
         return -1;
     if (window_sums && (window < 1 || window > question)) return -1;
     const int wide = wide_vectors(-1);
-    const int64_t tile_width = wide ? WIDE_TILE : KEY_TILE;
     const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t tiles = (tokens + tile_width - 1) / tile_width;
+    const int64_t tiles = (tokens + WIDE_TILE - 1) / WIDE_TILE;
     float *scaled[kv_heads];  /* per KV head, its rows scaled and padded */
     int missing = 0;
     for (int64_t h = 0; h < kv_heads; h++) missing |= !(scaled[h] = padded_rows(query + h * rows * head_dim, rows, head_dim, scale));
@@ -64,14 +64,11 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
         float tile[MAX_HEAD_DIM * WIDE_TILE] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * tiles; task++) {  /* scores: one tile of keys, every row */
-            const int64_t h = task / tiles, first = (task % tiles) * tile_width;
-            const int64_t count = tokens - first < tile_width ? tokens - first : tile_width;
-            const float *tile_keys = keys + h * key_head_stride + first * head_dim;
-            if (wide)
-                transposed_wide_tile(tile_keys, count, head_dim, tile);
-            else
-                transposed_tile(tile_keys, count, head_dim, tile, KEY_TILE);
-            rows_times_tile(scaled[h], rows, head_dim, tile, count, weights + h * rows * tokens + first, tokens, wide);
+            const int64_t h = task / tiles, first = (task % tiles) * WIDE_TILE;
+            const int64_t count = tokens - first < WIDE_TILE ? tokens - first : WIDE_TILE;
+            transposed_wide_tile(keys + h * key_head_stride + first * head_dim, count, head_dim, tile);
+            rows_times_tile(scaled[h], rows, head_dim, tile, WIDE_TILE, count, weights + h * rows * tokens + first, tokens,
+                            wide);
             finish_score_tile(weights + h * rows * tokens + first, rows, tokens, first, count, tail_mask, question,
                               tile_maxima + task * rows);
         }
@@ -98,41 +95,33 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
                     else for (int64_t j = 0; j < tokens; j++) sums[j] += row[j] * inverse;  /* multiplied, then added */
                 }
             }
-        /* values: a group of row blocks of one head, every channel. With AVX-512, runs of VALUE_RUN tokens at a
-         * time for every block of the group, so that each run of values is read from memory once per group, not
-         * once per block; each sum carries on from the run before (the same chain: the same bits). */
+        /* values: a group of row blocks of one head, every channel, in runs of VALUE_RUN tokens at a time for every
+         * block of the group, so that each run of values is read from memory once per group, not once per block;
+         * each sum carries on from the run before (the same chain: the same bits). Channels in tiles of 64 with
+         * AVX-512, the rest (all of them on AVX2) in tiles of 16. */
         const int64_t groups = threads < blocks ? threads : blocks;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < kv_heads * groups; task++) {
             const int64_t h = task / groups, group = task % groups;
             const int64_t first_block = blocks * group / groups, end_block = blocks * (group + 1) / groups;
             const float *head_values = values + h * value_head_stride;
-            for (int64_t block = first_block; block < end_block; block++) {
-                const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
-                const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
-                for (int i = 0; i < ROW_BLOCK; i++)
-                    a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens;
-                for (int64_t c = wide ? head_dim / WIDE_TILE * WIDE_TILE : 0; c < head_dim; c += 16) {
-                    float sums[ROW_BLOCK][KEY_TILE];  /* channels past the whole runs of 64 (all of them in AVX2) */
-                    tile_product_any(a, head_values + c, head_dim, tokens, sums, wide);
-                    for (int i = 0; i < live; i++)
-                        memcpy(out + (h * rows + block * ROW_BLOCK + i) * head_dim + c, sums[i], sizeof(float) * KEY_TILE);
+            for (int64_t start = 0; start < tokens; start += VALUE_RUN) {
+                const int64_t run = tokens - start < VALUE_RUN ? tokens - start : VALUE_RUN;
+                for (int64_t block = first_block; block < end_block; block++) {
+                    const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
+                    const float *a[ROW_BLOCK];  /* rows past the last repeat it; their sums are not stored */
+                    for (int i = 0; i < ROW_BLOCK; i++)
+                        a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens + start;
+                    float *block_out = out + (h * rows + block * ROW_BLOCK) * head_dim;
+                    int64_t c = 0;
+                    for (; wide && c + WIDE_TILE <= head_dim; c += WIDE_TILE)
+                        wide_tile_product(a, head_values + start * head_dim + c, head_dim, run, block_out + c, head_dim,
+                                          (int)live, WIDE_TILE, start > 0);
+                    for (; c < head_dim; c += KEY_TILE)
+                        narrow_tile_product(a, head_values + start * head_dim + c, head_dim, run, block_out + c, head_dim,
+                                            (int)live, start > 0, wide);
                 }
             }
-            if (wide && head_dim >= WIDE_TILE)
-                for (int64_t start = 0; start < tokens; start += VALUE_RUN) {
-                    const int64_t run = tokens - start < VALUE_RUN ? tokens - start : VALUE_RUN;
-                    for (int64_t block = first_block; block < end_block; block++) {
-                        const int64_t live = rows - block * ROW_BLOCK < ROW_BLOCK ? rows - block * ROW_BLOCK : ROW_BLOCK;
-                        const float *a[ROW_BLOCK];
-                        for (int i = 0; i < ROW_BLOCK; i++)
-                            a[i] = weights + (h * rows + block * ROW_BLOCK + (i < live ? i : 0)) * tokens + start;
-                        for (int64_t c = 0; c + WIDE_TILE <= head_dim; c += WIDE_TILE)
-                            wide_tile_product(a, head_values + start * head_dim + c, head_dim, run,
-                                              out + (h * rows + block * ROW_BLOCK) * head_dim + c, head_dim, (int)live,
-                                              WIDE_TILE, start > 0);
-                    }
-                }
         }
         /* each row's weighted sum divided by its sum of weights: the softmax's */
 #pragma omp for schedule(static)
@@ -151,6 +140,27 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
 static void weights_from_blocks(int bits, const uint8_t *codes, const float *scale, const float *minimum, int64_t k,
                                 int64_t first, int64_t count, float *rows_out) {
     const int64_t blocks = k / 32, code_bytes = bits == 4 ? k / 2 : k;
+#if defined(SNAPKV_PORTABLE)
+    /* plain loops, which the compiler vectorizes for its target (the generic build's 8-lane vectors stay in memory
+     * where the target's registers hold 4): the same products and sums */
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t out = first + j;
+        for (int64_t b = 0; b < blocks; b++) {
+            const float block_scale = scale[out * blocks + b];
+            float *block = rows_out + j * k + b * 32;
+            if (bits == 4) {
+                const uint8_t *bytes = codes + out * code_bytes + b * 16;
+                const float block_minimum = minimum[out * blocks + b];
+                for (int e = 0; e < 16; e++) block[e] = (float)(bytes[e] & 0x0F) * block_scale + block_minimum;
+                for (int e = 0; e < 16; e++) block[e + 16] = (float)(bytes[e] >> 4) * block_scale + block_minimum;
+            } else {
+                const int8_t *signed_codes = (const int8_t *)codes + out * code_bytes + b * 32;
+                for (int e = 0; e < 32; e++) block[e] = (float)signed_codes[e] * block_scale;
+            }
+        }
+    }
+    return;
+#endif
     for (int64_t j = 0; j < count; j++) {
         const int64_t out = first + j;
         float *row = rows_out + j * k;
@@ -187,7 +197,7 @@ static int product_tiles(const float *x, int64_t rows, int64_t k, const float *w
     float *padded = padded_rows(x, rows, k, 1.0f);
     if (!padded) return -1;
     const int wide = wide_vectors(-1);
-    const int64_t tile_width = wide ? WIDE_TILE : KEY_TILE;
+    const int64_t tile_width = wide ? WIDE_TILE : KEY_TILE;  /* AVX2: (k, 16) tiles, which stay in the nearest cache */
     const int64_t tiles = (n + tile_width - 1) / tile_width;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -211,7 +221,7 @@ static int product_tiles(const float *x, int64_t rows, int64_t k, const float *w
                 transposed_wide_tile(source, count, k, tile);
             else
                 transposed_tile(source, count, k, tile, KEY_TILE);
-            rows_times_tile(padded, rows, k, tile, count, y + first, n, wide);
+            rows_times_tile(padded, rows, k, tile, tile_width, count, y + first, n, wide);
         }
         free(tile);
         free(decoded);

@@ -308,7 +308,13 @@ static inline float pv_cvtsh_ss(uint16_t half) { return pv_half_to_float(half); 
 #define pv_mm_prefetch(address, hint) __builtin_prefetch((address), 0, 3)
 
 static inline pv_m128 pv_mm_add_ps(pv_m128 a, pv_m128 b) { return a + b; }
-static inline pv_m128 pv_mm_max_ps(pv_m128 a, pv_m128 b) { pv_m128 v; PV_LANES(4) v[i] = a[i] > b[i] ? a[i] : b[i]; return v; }
+/* b where a > b does not hold (b where either is NaN, as maxps), as a mask on a comparison: gcc writes the lane-by-lane
+ * form as a scalar comparison per lane */
+static inline pv_m128 pv_mm_max_ps(pv_m128 a, pv_m128 b) {
+    typedef int32_t words __attribute__((vector_size(16)));
+    const words greater = (words)(a > b);
+    return (pv_m128)((greater & (words)a) | (~greater & (words)b));
+}
 static inline pv_m128 pv_mm_add_ss(pv_m128 a, pv_m128 b) { a[0] = a[0] + b[0]; return a; }
 static inline pv_m128 pv_mm_max_ss(pv_m128 a, pv_m128 b) { a[0] = a[0] > b[0] ? a[0] : b[0]; return a; }
 static inline pv_m128 pv_mm_movehl_ps(pv_m128 a, pv_m128 b) { return (pv_m128){b[2], b[3], a[2], a[3]}; }
@@ -348,7 +354,14 @@ static inline pv_m256 pv_mm256_add_ps(pv_m256 a, pv_m256 b) { return a + b; }
 static inline pv_m256 pv_mm256_sub_ps(pv_m256 a, pv_m256 b) { return a - b; }
 static inline pv_m256 pv_mm256_mul_ps(pv_m256 a, pv_m256 b) { return a * b; }
 static inline pv_m256 pv_mm256_div_ps(pv_m256 a, pv_m256 b) { return a / b; }
-static inline pv_m256 pv_mm256_max_ps(pv_m256 a, pv_m256 b) { pv_m256 v; PV_LANES(8) v[i] = a[i] > b[i] ? a[i] : b[i]; return v; }
+static inline pv_m256 pv_mm256_max_ps(pv_m256 a, pv_m256 b) {  /* pv_mm_max_ps on each half */
+    pv_m128 halves_a[2], halves_b[2];
+    memcpy(halves_a, &a, sizeof a);
+    memcpy(halves_b, &b, sizeof b);
+    for (int half = 0; half < 2; half++) halves_a[half] = pv_mm_max_ps(halves_a[half], halves_b[half]);
+    memcpy(&a, halves_a, sizeof a);
+    return a;
+}
 static inline pv_m256 pv_mm256_min_ps(pv_m256 a, pv_m256 b) { pv_m256 v; PV_LANES(8) v[i] = a[i] < b[i] ? a[i] : b[i]; return v; }
 static inline pv_m256 pv_mm256_fmadd_ps(pv_m256 a, pv_m256 b, pv_m256 c) {
     pv_m256 v;

@@ -7,6 +7,7 @@
 #include "vectors.h"
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The 16-lane functions: compiled for AVX-512 in the avx512 variant, called only where wide_vectors(-1)
  * (snapkv/native/kernels/blockwise_matmul.c) says the CPU has it; plain C in the others (vectors.h). */
@@ -18,6 +19,70 @@
 #define WIDE __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #endif
 
+#if defined(SNAPKV_PORTABLE)
+/* The generic build: gcc keeps a vector of 8 lanes in memory where the target's registers hold 4 (SSE2, NEON) and
+ * writes its comparisons and roundings a lane at a time (on SSE2 a call of rintf per lane), so there exp_8 is made
+ * of two exp_4 in vectors of 4 lanes, and transpose_8x8 of plain loads and stores: the same operations on every
+ * lane, so the same bits. */
+typedef float lanes_4 __attribute__((vector_size(16)));
+typedef int32_t words_4 __attribute__((vector_size(16)));
+
+static inline lanes_4 splat_4(float x) { return (lanes_4){x, x, x, x}; }
+static inline lanes_4 fma_4(lanes_4 a, lanes_4 b, lanes_4 c) {
+    lanes_4 v;
+    PV_LANES(4) v[i] = PV_FMA(a[i], b[i], c[i]);
+    return v;
+}
+static inline lanes_4 select_4(words_4 mask, lanes_4 yes, lanes_4 no) {
+    return (lanes_4)((mask & (words_4)yes) | (~mask & (words_4)no));
+}
+
+/* To the nearest whole number, ties to even (as _mm256_round_ps asked for nearest): below 2^23 in size adding 2^23
+ * and taking it away rounds, the sign put back after (-0.3 gives -0); from 2^23 up a float is whole already. */
+static inline lanes_4 nearest_4(lanes_4 a) {
+    const words_4 sign_bit = {INT32_MIN, INT32_MIN, INT32_MIN, INT32_MIN};
+    const lanes_4 magnitude = (lanes_4)((words_4)a & ~sign_bit), big = splat_4(8388608.0f);
+    const lanes_4 rounded = (lanes_4)((words_4)((magnitude + big) - big) | ((words_4)a & sign_bit));
+    return select_4((words_4)(magnitude < big), rounded, a);
+}
+
+/* exp_8's operations (below) on 4 lanes. */
+static inline lanes_4 exp_4(lanes_4 x) {
+    const lanes_4 lowest = splat_4(-87.3f);
+    const words_4 underflow = (words_4)(x < lowest);
+    x = select_4((words_4)(x > lowest), x, lowest);  /* as _mm256_max_ps(x, lowest): lowest where x is NaN */
+    const lanes_4 n = nearest_4(x * splat_4(1.44269504088896341f));
+    lanes_4 r = fma_4(-n, splat_4(0.693359375f), x);
+    r = fma_4(-n, splat_4(-2.12194440e-4f), r);
+    lanes_4 p = splat_4(1.9875691500e-4f);
+    p = fma_4(p, r, splat_4(1.3981999507e-3f));
+    p = fma_4(p, r, splat_4(8.3334519073e-3f));
+    p = fma_4(p, r, splat_4(4.1665795894e-2f));
+    p = fma_4(p, r, splat_4(1.6666665459e-1f));
+    p = fma_4(p, r, splat_4(5.0000001201e-1f));
+    p = fma_4(p, r * r, r + splat_4(1.0f));
+    const words_4 two_to_n = (__builtin_convertvector(n, words_4) + 127) << 23;  /* n whole, -126..128 */
+    return select_4(underflow, splat_4(0.0f), p * (lanes_4)two_to_n);
+}
+
+/* e^x for 8 lanes: exp_4 on each half. */
+static inline __m256 exp_8(__m256 x) {
+    lanes_4 low, high;
+    memcpy(&low, &x, sizeof low);
+    memcpy(&high, (char *)&x + sizeof low, sizeof high);
+    low = exp_4(low);
+    high = exp_4(high);
+    memcpy(&x, &low, sizeof low);
+    memcpy((char *)&x + sizeof low, &high, sizeof high);
+    return x;
+}
+
+/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
+static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    for (int c = 0; c < 8; c++)
+        for (int j = 0; j < 8; j++) dst[c * dst_stride + j] = src[j * src_stride + c];
+}
+#else
 /* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
 static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
     __m256 r[8], t[8], u[8];
@@ -38,12 +103,15 @@ static inline void transpose_8x8(const float *src, int64_t src_stride, float *ds
     }
 }
 
+#endif
+
 /* Asks for the cache lines of [start, start + bytes) to be loaded (a hint: never faults, even past an end).
  * Always inlined: a call of it that GCC does not inline is found to have no effect and dropped. */
 __attribute__((always_inline)) static inline void prefetch_bytes(const void *start, int64_t bytes) {
     for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char *)start + line, _MM_HINT_T0);
 }
 
+#if !defined(SNAPKV_PORTABLE)
 /* e^x for 8 lanes (x = n ln 2 + r, then a polynomial in r); 0 below -87.3, where expf underflows. */
 static inline __m256 exp_8(__m256 x) {
     const __m256 lowest = _mm256_set1_ps(-87.3f);
@@ -63,6 +131,7 @@ static inline __m256 exp_8(__m256 x) {
     const __m256i two_to_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_to_n)));
 }
+#endif
 
 static inline float largest_lane(__m256 v) {
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -41,13 +41,47 @@ static void transposed_wide_tile(const float *long_rows, int64_t count, int64_t 
     }
 }
 
-/* sums[i] (16 lanes in two vectors) = sum over k < depth of a[i][k] * b[k * b_stride + 0..15], for ROW_BLOCK
- * rows of a: the register tile shared by the scores and the values (12 accumulators, named so that they stay
- * in registers). */
+#if defined(SNAPKV_PORTABLE)
+/* tile_product (below) in the generic build: in vectors of 4 lanes (simd.h's lanes_4: gcc keeps vectors of 8 in
+ * memory where the target's registers hold 4), 8 columns per pass where the target has 16 vector registers (x86-64)
+ * and all 16 at once where it has 32 (arm64). The same sums in the same order: a fused multiply-add where the
+ * target has one, else a product then a sum (as PV_FMA). */
+#if defined(__aarch64__)
+#define PASS_VECTORS 4  /* 6 rows x 16 columns: 24 accumulators of 32 registers */
+#else
+#define PASS_VECTORS 2  /* 6 rows x 8 columns: 12 accumulators of 16 registers */
+#endif
+
+__attribute__((noinline))  /* compiled on its own: inlined into attend_rows, gcc spilled an accumulator */
+static void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
+                         __m256 sums[ROW_BLOCK][2]) {
+    float (*lanes)[KEY_TILE] = (float (*)[KEY_TILE])sums;  /* each row's 16 sums */
+    for (int pass = 0; pass < 4 / PASS_VECTORS; pass++) {
+        const int first = pass * PASS_VECTORS * 4;  /* the pass's first column */
+        lanes_4 s[ROW_BLOCK][PASS_VECTORS];
+        for (int i = 0; i < ROW_BLOCK; i++)
+            for (int v = 0; v < PASS_VECTORS; v++) memcpy(&s[i][v], lanes[i] + first + 4 * v, sizeof(lanes_4));
+        const float *column = b + first;
+        for (int64_t k = 0; k < depth; k++, column += b_stride) {
+            lanes_4 row[PASS_VECTORS];
+            for (int v = 0; v < PASS_VECTORS; v++) memcpy(&row[v], column + 4 * v, sizeof(lanes_4));
+            for (int i = 0; i < ROW_BLOCK; i++) {
+                const lanes_4 broadcast = splat_4(a[i][k]);
+                for (int v = 0; v < PASS_VECTORS; v++) s[i][v] = fma_4(broadcast, row[v], s[i][v]);
+            }
+        }
+        for (int i = 0; i < ROW_BLOCK; i++)
+            for (int v = 0; v < PASS_VECTORS; v++) memcpy(lanes[i] + first + 4 * v, &s[i][v], sizeof(lanes_4));
+    }
+}
+#else
+/* sums[i] (16 lanes in two vectors) += sum over k < depth of a[i][k] * b[k * b_stride + 0..15], for ROW_BLOCK rows
+ * of a, each sum carried on from what sums holds: the register tile shared by the scores and the values (12
+ * accumulators, named so that they stay in registers). */
 static inline void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
                                 __m256 sums[ROW_BLOCK][2]) {
-    __m256 s00 = _mm256_setzero_ps(), s01 = s00, s10 = s00, s11 = s00, s20 = s00, s21 = s00,
-           s30 = s00, s31 = s00, s40 = s00, s41 = s00, s50 = s00, s51 = s00;
+    __m256 s00 = sums[0][0], s01 = sums[0][1], s10 = sums[1][0], s11 = sums[1][1], s20 = sums[2][0], s21 = sums[2][1],
+           s30 = sums[3][0], s31 = sums[3][1], s40 = sums[4][0], s41 = sums[4][1], s50 = sums[5][0], s51 = sums[5][1];
     const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
     for (int64_t k = 0; k < depth; k++, b += b_stride) {
         const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
@@ -62,11 +96,12 @@ static inline void tile_product(const float *const a[ROW_BLOCK], const float *b,
     sums[0][0] = s00; sums[0][1] = s01; sums[1][0] = s10; sums[1][1] = s11; sums[2][0] = s20; sums[2][1] = s21;
     sums[3][0] = s30; sums[3][1] = s31; sums[4][0] = s40; sums[4][1] = s41; sums[5][0] = s50; sums[5][1] = s51;
 }
+#endif
 
 /* tile_product with 16 columns in one AVX-512 vector: the same sums, lane by lane in the same order. */
 WIDE static inline void tile_product_wide(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
                                           int64_t depth, __m512 sums[ROW_BLOCK]) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0, s4 = s0, s5 = s0;
+    __m512 s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5];
     const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
     for (int64_t k = 0; k < depth; k++, b += b_stride) {
         const __m512 row = _mm512_loadu_ps(b);
@@ -80,10 +115,11 @@ WIDE static inline void tile_product_wide(const float *const a[ROW_BLOCK], const
     sums[0] = s0; sums[1] = s1; sums[2] = s2; sums[3] = s3; sums[4] = s4; sums[5] = s5;
 }
 
-/* tile_product_wide's sums stored as 16 floats per row (a function of its own: AVX-512 inside, none outside). */
+/* tile_product_wide over sums held as 16 floats per row (a function of its own: AVX-512 inside, none outside). */
 WIDE static void tile_product_wide_stored(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
                                           int64_t depth, float sums[ROW_BLOCK][KEY_TILE]) {
     __m512 wide_sums[ROW_BLOCK];
+    for (int i = 0; i < ROW_BLOCK; i++) wide_sums[i] = _mm512_loadu_ps(sums[i]);
     tile_product_wide(a, b, b_stride, depth, wide_sums);
     for (int i = 0; i < ROW_BLOCK; i++) _mm512_storeu_ps(sums[i], wide_sums[i]);
 }
@@ -122,7 +158,8 @@ WIDE static void wide_tile_product(const float *const a[ROW_BLOCK], const float 
             _mm512_mask_storeu_ps(out + i * out_stride + v * 16, columns_before(count, v), s[i][v]);
 }
 
-/* sums (ROW_BLOCK rows x 16 columns) stored as 16 floats per row: with AVX-512 where `wide`. */
+/* sums (ROW_BLOCK rows x 16 columns, 16 floats per row) += the tile's products, each sum carried on from what sums
+ * holds: with AVX-512 where `wide`. */
 static inline void tile_product_any(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
                                     float sums[ROW_BLOCK][KEY_TILE], int wide) {
     if (wide) {
@@ -130,11 +167,31 @@ static inline void tile_product_any(const float *const a[ROW_BLOCK], const float
         return;
     }
     __m256 narrow[ROW_BLOCK][2];
+    for (int i = 0; i < ROW_BLOCK; i++) {
+        narrow[i][0] = _mm256_loadu_ps(sums[i]);
+        narrow[i][1] = _mm256_loadu_ps(sums[i] + 8);
+    }
     tile_product(a, b, b_stride, depth, narrow);
     for (int i = 0; i < ROW_BLOCK; i++) {
         _mm256_storeu_ps(sums[i], narrow[i][0]);
         _mm256_storeu_ps(sums[i] + 8, narrow[i][1]);
     }
+}
+
+/* out[i * out_stride + 0..15] = sum over k < depth of a[i][k] * b[k * b_stride + 0..15] for the `live` rows, carried
+ * on from what out holds where `accumulate` (the same chain continued from an earlier run of k: the same bits), else
+ * from 0: tile_product_any's 16 columns. */
+static inline void narrow_tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
+                                       int64_t depth, float *out, int64_t out_stride, int live, int accumulate,
+                                       int wide) {
+    float sums[ROW_BLOCK][KEY_TILE];
+    for (int i = 0; i < ROW_BLOCK; i++)
+        if (accumulate && i < live)
+            memcpy(sums[i], out + i * out_stride, sizeof(float) * KEY_TILE);
+        else
+            memset(sums[i], 0, sizeof(float) * KEY_TILE);
+    tile_product_any(a, b, b_stride, depth, sums, wide);
+    for (int i = 0; i < live; i++) memcpy(out + i * out_stride, sums[i], sizeof(float) * KEY_TILE);
 }
 
 /* exp_8 (simd.h) in 16 lanes: the same operations, so the same bits in every lane. */
@@ -207,11 +264,11 @@ static float *padded_rows(const float *rows_in, int64_t rows, int64_t depth, flo
     return padded_copy;
 }
 
-/* out[r * out_stride + j] = sum over c < depth of a[r][c] * tile[c][j], for r < rows, j < count: every short row
- * (`a`, padded by padded_rows) against one transposed tile: (depth, WIDE_TILE) where `wide`, else
- * (depth, KEY_TILE). */
-static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const float *tile, int64_t count,
-                            float *out, int64_t out_stride, int wide) {
+/* out[r * out_stride + j] = sum over c < depth of a[r][c] * tile[c][j], for r < rows, j < count <= tile_width: every
+ * short row (`a`, padded by padded_rows) against one transposed tile (depth, tile_width): in AVX-512's 6 x 64 register
+ * tile where `wide` (tile_width WIDE_TILE), else 16 columns at a time (tile_width a multiple of 16). */
+static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const float *tile, int64_t tile_width,
+                            int64_t count, float *out, int64_t out_stride, int wide) {
     for (int64_t first = 0; first < rows; first += ROW_BLOCK) {
         const float *block[ROW_BLOCK];
         for (int i = 0; i < ROW_BLOCK; i++) block[i] = a + (first + i) * depth;
@@ -220,10 +277,12 @@ static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const f
             wide_tile_product(block, tile, WIDE_TILE, depth, out + first * out_stride, out_stride, live, count, 0);
             continue;
         }
-        float sums[ROW_BLOCK][KEY_TILE];
-        tile_product_any(block, tile, KEY_TILE, depth, sums, wide);
-        for (int i = 0; i < ROW_BLOCK && first + i < rows; i++)
-            memcpy(out + (first + i) * out_stride, sums[i], sizeof(float) * count);
+        for (int64_t c = 0; c < count; c += KEY_TILE) {
+            float sums[ROW_BLOCK][KEY_TILE] = {{0}};
+            tile_product_any(block, tile + c, tile_width, depth, sums, wide);
+            const int64_t columns = count - c < KEY_TILE ? count - c : KEY_TILE;
+            for (int i = 0; i < live; i++) memcpy(out + (first + i) * out_stride + c, sums[i], sizeof(float) * columns);
+        }
     }
 }
 
