@@ -159,8 +159,7 @@ static void weights_from_blocks(int bits, const uint8_t *codes, const float *sca
             }
         }
     }
-    return;
-#endif
+#else
     for (int64_t j = 0; j < count; j++) {
         const int64_t out = first + j;
         float *row = rows_out + j * k;
@@ -187,6 +186,7 @@ static void weights_from_blocks(int bits, const uint8_t *codes, const float *sca
             }
         }
     }
+#endif
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W given as fp32 rows (`weight`, (n, k)) or, where `weight` is NULL, as blocks

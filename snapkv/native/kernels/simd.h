@@ -50,7 +50,7 @@ static inline lanes_4 nearest_4(lanes_4 a) {
 static inline lanes_4 exp_4(lanes_4 x) {
     const lanes_4 lowest = splat_4(-87.3f);
     const words_4 underflow = (words_4)(x < lowest);
-    x = select_4((words_4)(x > lowest), x, lowest);  /* as _mm256_max_ps(x, lowest): lowest where x is NaN */
+    x = _mm_max_ps(x, lowest);  /* portable_vectors.h's, on the 4 lanes */
     const lanes_4 n = nearest_4(x * splat_4(1.44269504088896341f));
     lanes_4 r = fma_4(-n, splat_4(0.693359375f), x);
     r = fma_4(-n, splat_4(-2.12194440e-4f), r);
