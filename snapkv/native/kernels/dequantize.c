@@ -34,9 +34,32 @@ static inline unsigned code_at(const uint8_t *stream, int64_t index, int bits) {
 
 static inline float half_to_float(uint16_t half) { return _cvtsh_ss(half); }
 
-/* Codes first..first + 7 of a group (first a multiple of 8), times scale plus minimum, multiplied then
- * added (as the scalar path and PyTorch do). The 8 codes fill `bits` whole bytes. */
-static inline __m256 decode_8(const uint8_t *codes, int64_t first, int bits, __m256 scale, __m256 minimum) {
+/* Codes first..first + 7 of a group (first a multiple of 8), times scale plus minimum, multiplied then added (as
+ * the scalar path and PyTorch do), into out[0..7]. The 8 codes fill `bits` whole bytes. */
+#if defined(SNAPKV_PORTABLE)
+/* The generic build: the codes taken apart by scalar shifts (SSE2 has no shift by a count per lane, and gcc writes
+ * the 8-lane emulated one a lane at a time through memory), then made floats 4 lanes at a time (simd.h's lanes_4):
+ * the same values. */
+static inline void decode_8(const uint8_t *codes, int64_t first, int bits, float scale, float minimum, float *out) {
+    int32_t q[8];
+    if (bits == 8) {
+        for (int i = 0; i < 8; i++) q[i] = codes[first + i];
+    } else {
+        const uint8_t *bytes = codes + first * bits / 8;
+        uint32_t word = bytes[0] | (uint32_t)bytes[1] << 8;  /* 2, 3 or 4 bytes */
+        if (bits >= 3) word |= (uint32_t)bytes[2] << 16;
+        if (bits == 4) word |= (uint32_t)bytes[3] << 24;
+        for (int i = 0; i < 8; i++) q[i] = (int32_t)((word >> (i * bits)) & ((1u << bits) - 1));
+    }
+    for (int half = 0; half < 8; half += 4) {
+        words_4 quarter;
+        memcpy(&quarter, q + half, sizeof quarter);
+        const lanes_4 value = __builtin_convertvector(quarter, lanes_4) * splat_4(scale) + splat_4(minimum);
+        memcpy(out + half, &value, sizeof value);
+    }
+}
+#else
+static inline void decode_8(const uint8_t *codes, int64_t first, int bits, float scale, float minimum, float *out) {
     __m256i q;
     if (bits == 8) {
         q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + first)));
@@ -50,8 +73,10 @@ static inline __m256 decode_8(const uint8_t *codes, int64_t first, int bits, __m
                                          : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), _mm256_set1_epi32((1 << bits) - 1));
     }
-    return _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), scale), minimum);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale)),
+                                        _mm256_set1_ps(minimum)));
 }
+#endif
 
 static inline uint16_t float_to_bf16(float value) {
     uint32_t bits;
@@ -86,9 +111,7 @@ static void token_row(const uint8_t *packed, const uint16_t *scale, const uint16
         const float group_scale = half_to_float(scale[at]), group_minimum = half_to_float(minimum[at]);
         const uint8_t *codes = packed + at * group_bytes;
         int64_t c = start;
-        const __m256 vector_scale = _mm256_set1_ps(group_scale), vector_minimum = _mm256_set1_ps(group_minimum);
-        for (; c + 8 <= end; c += 8)
-            _mm256_storeu_ps(values + c, decode_8(codes, c - start, bits, vector_scale, vector_minimum));
+        for (; c + 8 <= end; c += 8) decode_8(codes, c - start, bits, group_scale, group_minimum, values + c);
         for (; c < end; c++) {
             const float scaled = (float)code_at(codes, c - start, bits) * group_scale;
             values[c] = scaled + group_minimum;
@@ -132,9 +155,8 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
             for (; t + 8 <= last_token; t += 8) {
                 float tile[MAX_HEAD_DIM * 8], rows[8][MAX_HEAD_DIM];  /* tile: (head_dim, 8 tokens) */
                 for (int64_t c = 0; c < head_dim; c++)
-                    _mm256_storeu_ps(tile + c * 8, decode_8(group_codes + c * channel_bytes, t - first_token, bits,
-                                                           _mm256_set1_ps(channel_scale[c]),
-                                                           _mm256_set1_ps(channel_minimum[c])));
+                    decode_8(group_codes + c * channel_bytes, t - first_token, bits, channel_scale[c],
+                             channel_minimum[c], tile + c * 8);
                 for (int64_t c = 0; c < head_dim; c += 8) transpose_8x8(tile + c * 8, 8, &rows[0][c], MAX_HEAD_DIM);
                 for (int i = 0; i < 8; i++)
                     finish_row(rows[i], head_dim, rotation_block, norm, destination, h * tokens + t + i, out, out_kind,

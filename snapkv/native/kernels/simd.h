@@ -77,10 +77,28 @@ static inline __m256 exp_8(__m256 x) {
     return x;
 }
 
-/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
+/* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block: four 4 x 4 blocks, each by two rounds of
+ * shuffles (SSE2's unpack and move-half, NEON's zip), where the compiler has shufflevector; else plain loops. */
 static inline void transpose_8x8(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+    for (int j = 0; j < 8; j += 4)
+        for (int c = 0; c < 8; c += 4) {
+            lanes_4 r[4];  /* rows j..j + 3 of the source, columns c..c + 3 */
+            for (int i = 0; i < 4; i++) memcpy(&r[i], src + (j + i) * src_stride + c, sizeof r[i]);
+            const lanes_4 t0 = __builtin_shufflevector(r[0], r[1], 0, 4, 1, 5),
+                          t1 = __builtin_shufflevector(r[0], r[1], 2, 6, 3, 7),
+                          t2 = __builtin_shufflevector(r[2], r[3], 0, 4, 1, 5),
+                          t3 = __builtin_shufflevector(r[2], r[3], 2, 6, 3, 7);
+            const lanes_4 columns[4] = {__builtin_shufflevector(t0, t2, 0, 1, 4, 5),
+                                        __builtin_shufflevector(t0, t2, 2, 3, 6, 7),
+                                        __builtin_shufflevector(t1, t3, 0, 1, 4, 5),
+                                        __builtin_shufflevector(t1, t3, 2, 3, 6, 7)};
+            for (int i = 0; i < 4; i++) memcpy(dst + (c + i) * dst_stride + j, &columns[i], sizeof columns[i]);
+        }
+#else
     for (int c = 0; c < 8; c++)
         for (int j = 0; j < 8; j++) dst[c * dst_stride + j] = src[j * src_stride + c];
+#endif
 }
 #else
 /* dst[c * dst_stride + j] = src[j * src_stride + c] for an 8 x 8 block. */
@@ -145,6 +163,49 @@ static inline float lane_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
+#if defined(SNAPKV_PORTABLE)
+/* row_maximum and row_exponentials (below) in the generic build: each vector of 8 as two lanes_4, low and high
+ * half, in the same operations and order (largest_lane and lane_sum's), so the same results. */
+static inline float row_maximum(const float *row, int64_t count) {
+    lanes_4 low = splat_4(-INFINITY), high = low, next;
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        memcpy(&next, row + j, sizeof next);
+        low = _mm_max_ps(low, next);
+        memcpy(&next, row + j + 4, sizeof next);
+        high = _mm_max_ps(high, next);
+    }
+    __m128 half = _mm_max_ps(low, high);
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    for (; j < count; j++) top = row[j] > top ? row[j] : top;
+    return top;
+}
+
+static inline float row_exponentials(float *row, int64_t tokens, float top) {
+    const lanes_4 shift = splat_4(top);
+    lanes_4 low_total = splat_4(0.0f), high_total = low_total, low, high;
+    int64_t j = 0;
+    for (; j + 8 <= tokens; j += 8) {
+        memcpy(&low, row + j, sizeof low);
+        memcpy(&high, row + j + 4, sizeof high);
+        low = exp_4(low - shift);
+        high = exp_4(high - shift);
+        memcpy(row + j, &low, sizeof low);
+        memcpy(row + j + 4, &high, sizeof high);
+        low_total += low;
+        high_total += high;
+    }
+    __m128 half = low_total + high_total;
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    for (; j < tokens; j++) {
+        row[j] = expf(row[j] - top);
+        sum += row[j];
+    }
+    return sum;
+}
+#else
 /* The largest of row[0..count): vectors of 8 then the rest (a maximum is exact: any order gives the same). */
 static inline float row_maximum(const float *row, int64_t count) {
     __m256 high = _mm256_set1_ps(-INFINITY);
@@ -172,6 +233,8 @@ static inline float row_exponentials(float *row, int64_t tokens, float top) {
     }
     return sum;
 }
+
+#endif
 
 /* One row of scores in place: the last `question` columns get tail_mask added (question 0: none), then the
  * softmax. */

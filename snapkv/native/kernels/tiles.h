@@ -281,7 +281,9 @@ static void rows_times_tile(const float *a, int64_t rows, int64_t depth, const f
             float sums[ROW_BLOCK][KEY_TILE] = {{0}};
             tile_product_any(block, tile + c, tile_width, depth, sums, wide);
             const int64_t columns = count - c < KEY_TILE ? count - c : KEY_TILE;
-            for (int i = 0; i < live; i++) memcpy(out + (first + i) * out_stride + c, sums[i], sizeof(float) * columns);
+            for (int i = 0; i < live; i++)  /* a copy of a known size where the tile is whole: a few moves, no call */
+                if (columns == KEY_TILE) memcpy(out + (first + i) * out_stride + c, sums[i], sizeof(float) * KEY_TILE);
+                else memcpy(out + (first + i) * out_stride + c, sums[i], sizeof(float) * columns);
         }
     }
 }
