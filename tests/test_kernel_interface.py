@@ -136,6 +136,28 @@ def test_a_tensor_is_checked_before_it_is_handed_to_c():
         native.pointer(rows, torch.float32, (4, 9))
     with pytest.raises(ValueError, match="shape"):
         native.pointer(rows, torch.float32, (4, 8, 1))
+    heads = torch.zeros(2, 10, 8)[:, :6]  # (2, 6, 8), heads 80 floats apart: rows whole, the kernel told the stride
+    assert native.pointer(heads, torch.float32, (2, 6, 8), strided=True) == heads.data_ptr()
+    with pytest.raises(ValueError, match="contiguous in memory"):
+        native.pointer(heads, torch.float32)
+    with pytest.raises(ValueError, match="along its last axis"):
+        native.pointer(heads.transpose(1, 2), torch.float32, strided=True)
+
+
+def test_every_tensor_handed_to_c_goes_through_the_checked_helper():
+    """No module passes a tensor's raw address to a kernel: data_ptr() appears only in native.pointer (and where
+    addresses are compared, never passed: which tensors share memory)."""
+    import re
+    from pathlib import Path
+
+    package = Path(native.__file__).parent.parent
+    comparing = {"storage/deferred.py", "measure/bench.py", "measure/floor.py"}  # identity checks, no kernel call
+    raw = [f"{path.relative_to(package)}:{number}" for path in package.rglob("*.py")
+           if path.relative_to(package).as_posix() not in comparing | {"native/__init__.py"}
+           for number, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\.data_ptr\(\)", line)]
+    assert not raw, raw
+    source = (package / "native" / "__init__.py").read_text()
+    assert source.count(".data_ptr()") == 1  # pointer's own return
 
 
 KERNEL_TESTS = ("test_block_weights.py", "test_native_decode.py", "test_coded_attention.py", "test_tiers.py",

@@ -91,8 +91,9 @@ def kept_indices(prefix_scores: torch.Tensor, prefix_keep: int, window: int) -> 
     if _natively(prefix_scores) and prefix_scores.dtype == torch.float32:  # snapkv/native/kernels/window_cut.c
         scores = prefix_scores.contiguous()
         indices = torch.empty(batch, kv_heads, min(prefix_keep, n_prefix) + window, dtype=torch.int64)
-        if native.kernels().top_positions(scores.data_ptr(), batch * kv_heads, n_prefix, prefix_keep, window,
-                                          indices.data_ptr(), torch.get_num_threads()) == 0:
+        if native.kernels().top_positions(native.pointer(scores, torch.float32), batch * kv_heads, n_prefix,
+                                          prefix_keep, window, native.pointer(indices, torch.int64),
+                                          torch.get_num_threads()) == 0:
             return indices
     best = prefix_scores.topk(min(prefix_keep, n_prefix), dim=-1).indices
     window_positions = torch.arange(n_prefix, n_prefix + window, device=prefix_scores.device)
@@ -111,9 +112,10 @@ def gather_positions(states: torch.Tensor, indices: torch.Tensor) -> torch.Tenso
         wanted = indices.contiguous()
         out = torch.empty(1, heads, wanted.shape[2], states.shape[-1], dtype=states.dtype)
         row_bytes = states.shape[-1] * states.element_size()
-        if native.kernels().gather_rows(states.data_ptr(), heads, states.stride(1) * states.element_size(),
-                                        states.shape[2], row_bytes, wanted.data_ptr(), wanted.shape[2],
-                                        out.data_ptr(), torch.get_num_threads()) == 0:
+        if native.kernels().gather_rows(native.pointer(states, states.dtype, strided=True), heads,
+                                        states.stride(1) * states.element_size(), states.shape[2], row_bytes,
+                                        native.pointer(wanted, torch.int64), wanted.shape[2],
+                                        native.pointer(out, out.dtype), torch.get_num_threads()) == 0:
             return out
     # whole rows by advanced indexing: on a CPU 4x faster than gather with an index expanded over head_dim (185 against
     # 703 us for 3 heads keeping 1042 of 8018 positions), and it reads a strided view (deferred.RestoringLayer's) as it is
@@ -131,9 +133,10 @@ def pooled_window_scores(weights: torch.Tensor, kernel: int, pooling: str) -> to
     batch, kv_heads, group, w, earlier = weights.shape
     if _natively(weights) and weights.dtype == torch.float32 and batch == 1 and weights.stride(-1) == 1:
         scores = torch.empty(1, kv_heads, earlier)  # snapkv/native/kernels/window_cut.c: one pass over the weights
-        if native.kernels().window_scores(weights.data_ptr(), kv_heads, group, w, earlier, weights.stride(1),
-                                          weights.stride(2), weights.stride(3), kernel, int(pooling == "max"),
-                                          scores.data_ptr(), torch.get_num_threads()) == 0:
+        if native.kernels().window_scores(native.pointer(weights, torch.float32, strided=True), kv_heads, group, w,
+                                          earlier, weights.stride(1), weights.stride(2), weights.stride(3), kernel,
+                                          int(pooling == "max"), native.pointer(scores, torch.float32),
+                                          torch.get_num_threads()) == 0:
             return scores
     return mean_over_query_groups(pool_scores(summed_over_window(weights), kernel, pooling), kv_heads)
 

@@ -89,8 +89,10 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     output = torch.empty(kv_heads, group * rows, head_dim)  # each KV head's query heads' rows, one after another
     indices = torch.empty(1, kv_heads, kept, dtype=torch.int64)
     kept_keys, kept_values = torch.empty(1, kv_heads, kept, head_dim), torch.empty(1, kv_heads, kept, head_dim)
-    pointers = _pointer_array([t.data_ptr() for keys, values in parts for t in (
-        keys.packed, keys.scale, keys.minimum, values.packed, values.scale, values.minimum)], ctypes.c_void_p)
+    pointers = _pointer_array([native.pointer(t, dtype) for keys, values in parts for t, dtype in (
+        (keys.packed, torch.uint8), (keys.scale, torch.float16), (keys.minimum, torch.float16),
+        (values.packed, torch.uint8), (values.scale, torch.float16), (values.minimum, torch.float16))],
+        ctypes.c_void_p)
     shapes = _pointer_array([number for keys, values in parts for number in (
         keys.shape[1], keys.scheme.bits, keys.scheme.group, int(keys.scheme.rotated), values.scheme.bits,
         values.scheme.group)], ctypes.c_int64)
@@ -101,8 +103,9 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             head_dim, len(parts), pointers, shapes, (head_dim & -head_dim) if rotated else 0,
             int(parts[0][1].scheme.rotated), native.pointer(key, fp32, own), native.pointer(value, fp32, own),
             None if sharp is None else native.pointer(sharp, torch.bool, (kv_heads, stored)), method.kernel,
-            int(method.pooling == "max"), plan.prefix_keep, window, output.data_ptr(), indices.data_ptr(), kept,
-            kept_keys.data_ptr(), kept_values.data_ptr(), torch.get_num_threads()) != 0:
+            int(method.pooling == "max"), plan.prefix_keep, window, native.pointer(output, fp32),
+            native.pointer(indices, torch.int64), kept, native.pointer(kept_keys, fp32),
+            native.pointer(kept_values, fp32), torch.get_num_threads()) != 0:
         return None  # a NaN score, or memory ran out: the restored path decides
     layer.keys, layer.values = kept_keys, kept_values
     layer.restored = True

@@ -117,7 +117,7 @@ def _with_rope(projected: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, he
         fp32, angles = torch.float32, (1, rows, head_dim)
         if native.kernels().rope_rows(native.pointer(x, fp32, (1, rows, width)), rows, width // head_dim, head_dim,
                                       native.pointer(cos, fp32, angles), native.pointer(sin, fp32, angles),
-                                      out.data_ptr()) == 0:
+                                      native.pointer(out, fp32)) == 0:
             return out
     x = projected.view(1, rows, -1, head_dim).transpose(1, 2)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (1, 1, q, head_dim): over the heads

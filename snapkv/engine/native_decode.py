@@ -31,10 +31,8 @@ ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (noth
 
 def _matrix(blocks: Blocks) -> native.BlockMatrix:
     """The C view of `blocks`, its shape as its scales give it (decode_token checks it against the model's)."""
-    minimum = blocks.minimum.data_ptr() if blocks.minimum is not None else None
     outputs, block_count = blocks.scale.shape
-    return native.BlockMatrix(blocks.bits, blocks.codes.data_ptr(), blocks.scale.data_ptr(), minimum, outputs,
-                        block_count * 32)
+    return native.BlockMatrix(blocks.bits, *blocks.pointers(), outputs, block_count * 32)
 
 
 def _contiguous(blocks: Blocks) -> bool:
@@ -81,7 +79,7 @@ class NativeDecoder:
         self._hidden.copy_(inner.embed_tokens.weight[token])
         head_dim = (self._shape.head_dim,)
         status = native.kernels().decode_token(
-            ctypes.byref(self._shape), self._layers, len(self._layers), self._hidden.data_ptr(),
+            ctypes.byref(self._shape), self._layers, len(self._layers), native.pointer(self._hidden, torch.float32),
             native.pointer(cos, torch.float32, head_dim), native.pointer(sin, torch.float32, head_dim),
             torch.get_num_threads())
         if status == ROOM_EXHAUSTED:
@@ -134,8 +132,8 @@ def _model_layers(model) -> tuple[native.DecoderShape, list[native.DecoderLayer]
                 or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
                 or norms[1].variance_epsilon != norms[0].variance_epsilon):
             return None
-        layers.append(native.DecoderLayer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(),
-                                    _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down)))
+        layers.append(native.DecoderLayer(*(native.pointer(norm.weight, torch.float32, (hidden,)) for norm in norms),
+                                          _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down)))
     shape = native.DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
                           decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
     return shape, layers
@@ -157,7 +155,7 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
     for layer, cache_layer in zip(layers, cache.layers):
         if not _buffers_fit(cache_layer, config.num_key_value_heads, shape.head_dim):
             return None
-        layer.keys, layer.values = (buffer.data_ptr() for buffer in cache_layer.buffers)
+        layer.keys, layer.values = (native.pointer(buffer, torch.float32) for buffer in cache_layer.buffers)
         layer.capacity, layer.filled = cache_layer.buffers[0].shape[2], cache_layer.filled
     cos, sin = _rotary(model, first_position, steps)
     return NativeDecoder(model, cache, layers, shape, cos, sin, first_position)
@@ -187,8 +185,8 @@ class QuestionLayers:
         if native.kernels().question_before_attention(
                 ctypes.byref(shape), ctypes.byref(self._layers[index]), rows,
                 native.pointer(hidden, fp32, (1, rows, shape.hidden)), native.pointer(cos, fp32, angles),
-                native.pointer(sin, fp32, angles), normed.data_ptr(), query.data_ptr(), key.data_ptr(),
-                value.data_ptr(), torch.get_num_threads()) != 0:
+                native.pointer(sin, fp32, angles), *(native.pointer(out, fp32) for out in (normed, query, key, value)),
+                torch.get_num_threads()) != 0:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
         return normed, query, key, value
 

@@ -35,6 +35,14 @@ class Blocks:
     scale: torch.Tensor
     minimum: torch.Tensor | None
 
+    def pointers(self) -> tuple[int, int, int | None]:
+        """The addresses of codes, scale and minimum (None for 8-bit) to hand to a kernel, checked by
+        snapkv.native.pointer against the layout above."""
+        outputs, count = self.scale.shape
+        codes = native.pointer(self.codes, torch.uint8 if self.bits == 4 else torch.int8, (outputs, None))
+        minimum = None if self.minimum is None else native.pointer(self.minimum, torch.float32, (outputs, count))
+        return codes, native.pointer(self.scale, torch.float32), minimum
+
     @property
     def nbytes(self) -> int:
         parts = (self.codes, self.scale) + ((self.minimum,) if self.minimum is not None else ())
@@ -95,8 +103,9 @@ def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if inputs % 8 or weight.dtype != torch.float32 or not weight.is_contiguous():
         return F.linear(x, weight)
     y = torch.empty(rows, weight.shape[0])
-    if native.kernels().linear_rows(x.data_ptr(), rows, inputs, weight.data_ptr(), weight.shape[0], y.data_ptr(),
-                                    torch.get_num_threads()) != 0:
+    fp32 = torch.float32
+    if native.kernels().linear_rows(native.pointer(x, fp32), rows, inputs, native.pointer(weight, fp32, (None, inputs)),
+                                    weight.shape[0], native.pointer(y, fp32), torch.get_num_threads()) != 0:
         return F.linear(x, weight)
     return y
 
@@ -107,9 +116,9 @@ def few_rows_blocks_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -
     refuses the shape)."""
     rows, inputs = x.shape
     y = torch.empty(rows, out_features)
-    minimum = blocks.minimum.data_ptr() if blocks.minimum is not None else None
-    status = native.kernels().linear_rows_blocks(x.data_ptr(), rows, inputs, blocks.bits, blocks.codes.data_ptr(),
-                                                 blocks.scale.data_ptr(), minimum, out_features, y.data_ptr(),
+    codes, scale, minimum = blocks.pointers()
+    status = native.kernels().linear_rows_blocks(native.pointer(x, torch.float32), rows, inputs, blocks.bits, codes,
+                                                 scale, minimum, out_features, native.pointer(y, torch.float32),
                                                  torch.get_num_threads())
     return y if status == 0 else None
 
@@ -128,12 +137,12 @@ def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torc
     rows, inputs = x.shape
     y = torch.empty(rows, out_features)
     threads = torch.get_num_threads()
+    codes, scale, minimum = blocks.pointers()
+    x_address, y_address = native.pointer(x, torch.float32), native.pointer(y, torch.float32)
     if blocks.bits == 4:
-        status = library.matmul_4bit(x.data_ptr(), rows, inputs, blocks.codes.data_ptr(), blocks.scale.data_ptr(),
-                                     blocks.minimum.data_ptr(), out_features, y.data_ptr(), threads)
+        status = library.matmul_4bit(x_address, rows, inputs, codes, scale, minimum, out_features, y_address, threads)
     else:
-        status = library.matmul_8bit(x.data_ptr(), rows, inputs, blocks.codes.data_ptr(), blocks.scale.data_ptr(),
-                                     out_features, y.data_ptr(), threads)
+        status = library.matmul_8bit(x_address, rows, inputs, codes, scale, out_features, y_address, threads)
     if status != 0:
         raise ValueError(f"the blockwise kernel refused {rows} rows of {inputs}")
     return y

@@ -124,10 +124,13 @@ def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     output = torch.empty(kv_heads, heads // kv_heads * rows, head_dim)
     window = min(window, rows)
     sums = torch.empty(kv_heads, heads // kv_heads, n) if window else None
+    fp32 = torch.float32
     status = native.kernels().attend_rows(
-        query.data_ptr(), kv_heads, heads // kv_heads * rows, rows, scale, key.data_ptr(), key.stride(1),
-        value.data_ptr(), value.stride(1), n, head_dim, tail.data_ptr(), weights.data_ptr(), output.data_ptr(),
-        window, None if sums is None else sums.data_ptr(), torch.get_num_threads())
+        native.pointer(query, fp32), kv_heads, heads // kv_heads * rows, rows, scale,
+        native.pointer(key, fp32, strided=True), key.stride(1), native.pointer(value, fp32, strided=True),
+        value.stride(1), n, head_dim, native.pointer(tail, fp32, (rows, rows)), native.pointer(weights, fp32),
+        native.pointer(output, fp32), window, None if sums is None else native.pointer(sums, fp32),
+        torch.get_num_threads())
     return (output, sums) if status == 0 else None
 
 

@@ -281,15 +281,17 @@ def limit(name: str) -> int:
     return ctypes.c_int64.in_dll(kernels(), name).value
 
 
-def pointer(tensor, dtype, shape: tuple | None = None) -> int:
+def pointer(tensor, dtype, shape: tuple | None = None, *, strided: bool = False) -> int:
     """The address of `tensor` to hand to a kernel, after checking what the kernel assumes: on the CPU, of `dtype`,
-    C-contiguous, and of `shape` where given (None in it: any size on that axis). ValueError otherwise."""
+    C-contiguous (with `strided`, only along its last axis: the kernel is given the other strides), and of `shape`
+    where given (None in it: any size on that axis). ValueError otherwise. Every tensor snapkv hands to C goes
+    through here."""
     if tensor.device.type != "cpu":
         raise ValueError(f"a kernel needs a CPU tensor, not one on {tensor.device}")
     if tensor.dtype != dtype:
         raise ValueError(f"a kernel needs {dtype}, not {tensor.dtype}")
-    if not tensor.is_contiguous():
-        raise ValueError("a kernel needs a contiguous tensor")
+    if not ((tensor.stride(-1) == 1 or tensor.shape[-1] == 1) if strided else tensor.is_contiguous()):
+        raise ValueError("a kernel needs a tensor contiguous " + ("along its last axis" if strided else "in memory"))
     if shape is not None and (len(shape) != tensor.dim()
                               or any(want is not None and want != have for want, have in zip(shape, tensor.shape))):
         raise ValueError(f"a kernel needs shape {tuple(shape)}, not {tuple(tensor.shape)}")

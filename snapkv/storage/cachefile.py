@@ -114,10 +114,11 @@ def _unpack_mask(mask: torch.Tensor, length: int) -> torch.Tensor:
     if (native.unavailable_reason() is None and mask.dtype == torch.uint8 and mask.dim() == 2
             and mask.shape[1] * 8 >= length):
         mask = mask.contiguous()  # snapkv/native/kernels/dequantize.c: a pass to count, a pass to write (~10 us)
-        count = native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1], None, 0)
+        address = native.pointer(mask, torch.uint8)
+        count = native.kernels().mask_positions(address, heads, length, mask.shape[1], None, 0)
         positions = torch.empty(heads, max(count, 0), dtype=torch.int64)
-        if count < 0 or native.kernels().mask_positions(mask.data_ptr(), heads, length, mask.shape[1],
-                                                        positions.data_ptr(), count) != count:
+        if count < 0 or native.kernels().mask_positions(address, heads, length, mask.shape[1],
+                                                        native.pointer(positions, torch.int64), count) != count:
             raise ValueError("heads keep different numbers of positions")
         return positions
     kept = _mask_bits(mask, length)
@@ -243,7 +244,7 @@ def _all_finite_halves(tensors: list[torch.Tensor]) -> bool:
     available (~0.2 against 3.6 ms for an 8k-token cache's 240 scale and minimum tensors), else one concatenation."""
     if (native.unavailable_reason() is None
             and all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
-        pointers = (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))
+        pointers = (ctypes.c_void_p * len(tensors))(*(native.pointer(t, torch.float16) for t in tensors))
         counts = (ctypes.c_int64 * len(tensors))(*(t.numel() for t in tensors))
         return bool(native.kernels().half_all_finite(pointers, counts, len(tensors)))
     return _all_finite(torch.cat([t.reshape(-1) for t in tensors]))

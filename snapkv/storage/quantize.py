@@ -105,8 +105,9 @@ class Mixed:
             low = torch.empty(heads * self.low.shape[1], dtype=torch.int64)
             sharp = self.sharp.contiguous()
             if (sharp.device.type == "cpu" and native.unavailable_reason() is None  # one pass in C
-                    and native.kernels().part_rows(sharp.data_ptr(), heads, tokens, room, high.data_ptr(),
-                                                   high.shape[0], low.data_ptr(), low.shape[0]) == 0):
+                    and native.kernels().part_rows(native.pointer(sharp, torch.bool), heads, tokens, room,
+                                                   native.pointer(high, torch.int64), high.shape[0],
+                                                   native.pointer(low, torch.int64), low.shape[0]) == 0):
                 self._destinations[room] = (high, low)
             else:
                 sharp = torch.nn.functional.pad(self.sharp.to(self.high.scale.device), (0, room))  # (kv_heads, tokens + room)
@@ -222,10 +223,11 @@ def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: 
     scheme = quantized.scheme
     packed, scale, minimum = (t.contiguous() for t in (quantized.packed, quantized.scale, quantized.minimum))
     status = native.kernels().dequantize_rows(
-        packed.data_ptr(), scale.data_ptr(), minimum.data_ptr(), heads, tokens, head_dim, scheme.bits,
+        native.pointer(packed, torch.uint8), native.pointer(scale, torch.float16),
+        native.pointer(minimum, torch.float16, tuple(scale.shape)), heads, tokens, head_dim, scheme.bits,
         int(scheme.axis == TOKENS), scheme.group, (head_dim & -head_dim) if scheme.rotated else 0,
-        None if destination is None else destination.data_ptr(), rows.data_ptr(), NATIVE_OUTPUTS[rows.dtype],
-        torch.get_num_threads())
+        None if destination is None else native.pointer(destination, torch.int64, (heads * tokens,)),
+        native.pointer(rows, rows.dtype, (None, head_dim)), NATIVE_OUTPUTS[rows.dtype], torch.get_num_threads())
     return status == 0
 
 
