@@ -38,6 +38,8 @@ import typer
 from snapkv.base.ownership import NotPrivate, private_folder, written_only_by_me
 from snapkv.base.paths import snapkv_home
 
+from .options import TruncateOption
+
 DEFAULT_IDLE_SECONDS = 900
 KEEP_ALIVE_SECONDS = 300       # the server the first `ask` leaves stops after this long without a request
 IN_SERVER = False  # True in the server process: its commands run there, never forwarded again
@@ -533,12 +535,34 @@ def serve(
                                         help="The model to load at start (default: the embedded one)."),
     device: str = typer.Option("auto", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", help="auto, float32, bfloat16 or float16."),
+    http: Optional[str] = typer.Option(None, "--http", metavar="[HOST:]PORT",
+                                       help="Serve the OpenAI-compatible API (/v1/chat/completions, /v1/models, "
+                                            "/health) on this port, 127.0.0.1 unless a host is given, instead of "
+                                            "the local socket."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SNAPKV_API_KEY",
+                                          help="With --http: answer only requests that send Authorization: Bearer "
+                                               "KEY (required to listen beyond loopback)."),
+    queue: int = typer.Option(8, "--queue", min=0, max=1024,
+                              help="With --http: requests that may wait while one is answered; more get 429."),
+    truncate: TruncateOption = None,
 ) -> None:
-    """Keep the model loaded so that `snapkv ask` answers without starting over (a local Unix socket).
+    """Keep the model loaded so that `snapkv ask` answers without starting over (a local Unix socket), or, with
+    --http, serve it to any OpenAI client.
 
     While it runs, `snapkv ask` runs there: same output, exit codes and --json; `ask --no-server` or
-    SNAPKV_NO_SERVER=1 runs where it is typed instead.
+    SNAPKV_NO_SERVER=1 runs where it is typed instead. With --http, everything before a request's last user
+    message is the document (its compressed cache looked up in the store, made and saved when missing) and that
+    message is the question.
     """
+    if http is not None:
+        if stop or status or detach:
+            print("snapkv: error: --http runs in the foreground; it takes none of --stop, --status, --detach",
+                  file=sys.stderr)
+            raise typer.Exit(2)
+        from .serve_http import serve_http
+
+        serve_http(http, api_key, queue, model, device, dtype, truncate)
+        return
     path = socket_path()
     if stop:
         print("stopped the snapkv server" if stop_server() else "no snapkv server is running")

@@ -1,0 +1,94 @@
+"""A second question about the same document over the OpenAI-compatible API, against the first, as a client sees it.
+
+Starts `snapkv serve --http` (the embedded model unless --model), then with the official `openai` client asks about a
+haystack document of --tokens tokens (with a line of its own, so that the first question really prefills): the first
+question (prefill, compress, save, answer), then --rounds follow-ups about the same document (its cache reused).
+Prints each request's wall time, its time to first token (streamed), the cached tokens the usage reports, and the
+ratio of the first to the median follow-up.
+
+    .venv/bin/python benchmarks/http_followup.py --tokens 8k --rounds 3
+"""
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import openai
+
+from snapkv.base.sizes import parse_size
+from snapkv.io.haystack import NEEDLE_QUESTION, build_haystack, filler_text
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def timed(client: openai.OpenAI, model: str, document: str, question: str, max_tokens: int) -> dict:
+    """One streamed request: wall time, time to first token, the answer and the usage."""
+    started = time.perf_counter()
+    first, pieces, usage = None, [], None
+    for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": document}, {"role": "user", "content": question}],
+            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage:
+            usage = chunk.usage
+    ended = time.perf_counter()
+    return {"seconds": ended - started, "ttft": (first or ended) - started, "text": "".join(pieces),
+            "cached": usage.prompt_tokens_details.cached_tokens, "prompt": usage.prompt_tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="8k", help="document length in tokens (default 8k)")
+    parser.add_argument("--rounds", type=int, default=3, help="follow-up questions (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens per answer (default 24)")
+    parser.add_argument("--model", default=None, help="the model to serve (default: the embedded one)")
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer  # only to size the haystack as the server will count it
+
+    from snapkv.engine.models import resolve_model_source
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(args.model)[1])
+    haystack = build_haystack(tokenizer, filler_text(), parse_size(args.tokens), 0.5, "48613").text
+    document = f"Report {uuid.uuid4().hex}.\n\n{haystack}"  # a line of its own: never in the store yet
+    port = free_port()
+    command = [sys.executable, "-m", "snapkv_cli", "serve", "--http", str(port), "--dtype", args.dtype]
+    if args.model:
+        command += ["--model", args.model]
+    server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in server.stderr:
+            sys.stderr.write(line)
+            if "serving" in line:
+                break
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", timeout=3600, max_retries=0)
+        model = client.models.list().data[0].id
+        first = timed(client, model, document, NEEDLE_QUESTION, args.max_tokens)
+        followups = [timed(client, model, document, question, args.max_tokens) for question in
+                     ([NEEDLE_QUESTION, "What is the special magic number mentioned in the text?"] * args.rounds)
+                     [:args.rounds]]
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    print(f"{model}, a {first['prompt']}-token prompt, {os.cpu_count()} CPUs")
+    for name, run in [("first", first)] + [(f"follow-up {i + 1}", r) for i, r in enumerate(followups)]:
+        print(f"{name:12} {run['seconds']:7.2f} s  first token {run['ttft']:6.2f} s  cached_tokens {run['cached']:6}"
+              f"  {run['text'][:60]!r}")
+    median = statistics.median(r["seconds"] for r in followups)
+    print(f"first / median follow-up: {first['seconds']:.2f} / {median:.2f} s = {first['seconds'] / median:.0f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""An OpenAI chat completion request, checked and turned into what snapkv answers: a document (everything before the
+last user message), a question (that message), and how to decode.
+
+The API's conventions (https://platform.openai.com/docs/api-reference/chat/create): `messages` in order, each with a
+`role` and a `content` that is a string or a list of text parts. snapkv reads them as a document and a question:
+
+    user / assistant messages     before the last user message: the document, their texts joined by blank lines
+    system / developer messages   the system message the document is prompted with (part of its cache key); the
+                                  document itself where no user or assistant message comes before the question
+    the last user message         the question, the query-aware window that cuts the document's cache
+
+A parameter snapkv does not honour is refused with a 400 naming it, unless it is given its neutral value (n=1,
+logprobs false, penalties 0, ...): a client that sends it set expects something snapkv would silently not do.
+"""
+
+from dataclasses import dataclass, field
+
+from snapkv.engine.generation import Sampling
+
+MAX_MESSAGES = 1024
+MAX_STOP_SEQUENCES = 4
+MAX_STOP_CHARS = 256
+MAX_TOKENS_CAP = 32768       # the most tokens one answer may ask for (the model's context bounds it further)
+DEFAULT_MAX_TOKENS = 512
+SYSTEM_ROLES = ("system", "developer")
+TEXT_ROLES = ("user", "assistant")
+
+# Parameters read below; the others are refused unless they hold the neutral value listed here.
+READ = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+                  "temperature", "top_p", "seed", "stop"})
+IGNORED = frozenset({"user", "metadata", "store", "safety_identifier", "prompt_cache_key", "service_tier"})
+NEUTRAL = {"n": (1, None), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
+           "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": ({}, None), "tools": ([], None),
+           "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
+           "parallel_tool_calls": (None, False, True), "response_format": ({"type": "text"}, None),
+           "modalities": (["text"], None), "audio": (None,), "prediction": (None,), "web_search_options": (None,),
+           "reasoning_effort": (None,), "verbosity": (None,)}
+
+
+class RequestError(ValueError):
+    """A request the API refuses: the HTTP status, and OpenAI's error fields."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str = "invalid_request_error", kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """What a chat completion asks of snapkv."""
+
+    model: str
+    system: str | None                   # None: snapkv's default system message
+    document: str                        # the context: every user and assistant text before the question
+    question: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: Sampling = Sampling()
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False          # stream_options.include_usage: a last chunk with the usage
+    ignored: list[str] = field(default_factory=list)  # parameters accepted and not acted on
+
+
+def _text_of(content, index: int) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts joined."""
+    where = f"messages[{index}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for number, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{where}[{number}] is a {kind!r} part; snapkv reads text parts only",
+                                   param=f"{where}[{number}]", code="unsupported_content")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise RequestError(f"{where} must be a string or a list of text parts", param=where)
+
+
+def _number(body: dict, name: str, kind: type, low: float, high: float, default):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise RequestError(f"{name} must be {'a number' if kind is float else 'an integer'}, not {value!r}",
+                           param=name)
+    if not low <= value <= high:
+        raise RequestError(f"{name} must be between {low:g} and {high:g}, not {value!r}", param=name)
+    return kind(value)
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if (not isinstance(stops, list) or len(stops) > MAX_STOP_SEQUENCES
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
+        raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings of "
+                           f"at most {MAX_STOP_CHARS} characters", param="stop")
+    return tuple(stops)
+
+
+def _refuse_unsupported(body: dict) -> list[str]:
+    """The ignored parameters present; RequestError for one snapkv does not honour, set to a value that matters."""
+    for name, value in body.items():
+        if name in READ or name in IGNORED:
+            continue
+        if name in NEUTRAL and any(value == neutral and type(value) is type(neutral) or value is neutral
+                                   for neutral in NEUTRAL[name]):
+            continue
+        what = "is not supported by snapkv" if name in NEUTRAL else "is not a parameter snapkv knows"
+        raise RequestError(f"{name}={value!r} {what}; leave it out", param=name, code="unsupported_parameter")
+    return sorted(name for name in body if name in IGNORED)
+
+
+def parse_chat_request(body) -> ChatRequest:
+    """A /v1/chat/completions body (decoded JSON) -> ChatRequest; RequestError where it is not one snapkv answers."""
+    if not isinstance(body, dict):
+        raise RequestError("the body must be a JSON object")
+    ignored = _refuse_unsupported(body)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise RequestError("model is required (GET /v1/models lists the one served)", param="model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list", param="messages")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestError(f"at most {MAX_MESSAGES} messages are taken, not {len(messages)}", param="messages")
+    systems, texts = [], []  # texts: (role, text) of the user and assistant messages, in order
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{index}] must be an object", param=f"messages[{index}]")
+        role = message.get("role")
+        if role in SYSTEM_ROLES:
+            systems.append(_text_of(message.get("content"), index))
+        elif role in TEXT_ROLES:
+            texts.append((role, _text_of(message.get("content"), index)))
+        else:
+            raise RequestError(f"messages[{index}].role {role!r} is not one snapkv answers (system, developer, user, "
+                               "assistant)", param=f"messages[{index}].role", code="unsupported_role")
+    if not texts or texts[-1][0] != "user":
+        raise RequestError("the last user or assistant message must be the user's question", param="messages")
+    question = texts[-1][1]
+    if not question.strip():
+        raise RequestError("the question (the last user message) is empty", param="messages")
+    document = "\n\n".join(text for _, text in texts[:-1])
+    if not document.strip() and systems:  # the document sent as the system message (llm -s, a RAG front end)
+        document, systems = "\n\n".join(systems), []
+    if not document.strip():
+        raise RequestError("snapkv answers questions about a document: send the document in a user message before "
+                           "the question (the last user message)", param="messages", code="no_document")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError("stream must be true or false", param="stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not set(options) <= {"include_usage", "include_obfuscation"}:
+        raise RequestError("stream_options takes include_usage only", param="stream_options")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = _number({"max_tokens": limit}, "max_tokens", int, 1, MAX_TOKENS_CAP, DEFAULT_MAX_TOKENS)
+    temperature = _number(body, "temperature", float, 0.0, 2.0, 0.0)
+    top_p = _number(body, "top_p", float, 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise RequestError("top_p must be above 0", param="top_p")
+    seed = _number(body, "seed", int, -(2 ** 63), 2 ** 63 - 1, None)
+    return ChatRequest(model=model, system="\n\n".join(systems) if systems else None, document=document,
+                       question=question, max_tokens=max_tokens,
+                       sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), stop=_stop(body),
+                       stream=stream, include_usage=bool(options.get("include_usage")), ignored=ignored)

@@ -1,0 +1,150 @@
+"""A chat request answered by a loaded model, as `snapkv ask` answers: the document's compressed cache taken from
+memory or the store (made and saved when missing), the question as its query-aware window, the answer streamed.
+
+ChatService.run is called on one worker thread (requests one at a time per model: snapkv.serving.openai_app queues
+them) and reports through a callback, so that the web side never waits on torch. A request whose client has gone
+(`cancel` set) stops between two tokens.
+"""
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from snapkv.base.errors import ConfigError, DocumentError, SnapKVError
+from snapkv.compression.config import SnapKVConfig
+from snapkv.engine.models import LoadedModel
+from snapkv.io.documents import Document
+from snapkv.serving.chat_request import ChatRequest, RequestError
+from snapkv.session import PreparedDocument, Session
+from snapkv.storage.store import CacheStore
+
+KEPT_IN_MEMORY = 4   # documents whose prepared caches stay loaded for the next question (least recent dropped)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int   # of prompt_tokens, those whose cache was reused rather than prefilled (the document's)
+
+    def body(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": 0}}
+
+
+@dataclass(frozen=True)
+class Finished:
+    """How an answer ended: OpenAI's finish_reason, the usage, and snapkv's own figures."""
+
+    finish_reason: str   # "stop" (end of turn or a stop sequence) or "length"
+    usage: Usage
+    details: dict
+
+
+class StopScanner:
+    """Text as it streams, held back only as far as a stop sequence could still be starting; cut before the first
+    stop sequence found."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._held = ""
+        self._keep = max((len(s) for s in stops), default=1) - 1
+        self.stopped = False
+
+    def feed(self, piece: str) -> str:
+        """The text that can be shown now."""
+        if not self._stops:
+            return piece
+        text = self._held + piece
+        found = [at for at in (text.find(s) for s in self._stops) if at >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            return text[:min(found)]
+        cut = max(len(text) - self._keep, 0)
+        self._held = text[cut:]
+        return text[:cut]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+class ChatService:
+    """A loaded model answering chat requests, with the store the CLI uses (None: prefill every document)."""
+
+    def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None, store: CacheStore | None,
+                 truncate: str | None = None) -> None:
+        self.loaded = loaded
+        self._settings = settings
+        self._store = store
+        self._truncate = truncate
+        self._sessions: dict[str | None, Session] = {}
+        self._prepared: OrderedDict[tuple, PreparedDocument] = OrderedDict()
+        self._lock = threading.Lock()  # run() is meant for one thread; this keeps a second caller out
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.name
+
+    def _session(self, system: str | None) -> Session:
+        if system not in self._sessions:
+            self._sessions[system] = Session(self.loaded, self._settings, store=self._store, truncate=self._truncate,
+                                             system=system)
+        return self._sessions[system]
+
+    def _prepare(self, session: Session, system: str | None, text: str) -> tuple[PreparedDocument, bool]:
+        """(the document's prepared cache, whether it was reused: from memory or the store)."""
+        prompt = session.prompt(Document(text))
+        key = (system, tuple(prompt.ids.tolist()))
+        if key in self._prepared:
+            self._prepared.move_to_end(key)
+            return self._prepared[key], True
+        prepared = session.prepare(prompt)
+        self._prepared[key] = prepared
+        while len(self._prepared) > KEPT_IN_MEMORY:
+            self._prepared.popitem(last=False)
+        return prepared, prepared.hit
+
+    def run(self, request: ChatRequest, cancel: threading.Event, emit: Callable[[str], None]) -> Finished | None:
+        """Answer `request`, handing each piece of text to `emit`; None where `cancel` was set before it began.
+        RequestError for a document or question the model cannot take."""
+        with self._lock:
+            if cancel.is_set():
+                return None
+            started = time.perf_counter()
+            session = self._session(request.system)
+            try:
+                prepared, reused = self._prepare(session, request.system, request.document)
+                stream = session.ask(prepared, request.question, max_new_tokens=request.max_tokens,
+                                     sampling=request.sampling)
+            except (DocumentError, ConfigError) as error:  # too long for the model, ...
+                raise RequestError(str(error), code="invalid_document") from error
+            except SnapKVError as error:  # out of memory, a store it cannot write: not the request's fault
+                raise RequestError(str(error), status=503, code="unavailable", kind="server_error") from error
+            question_tokens = session.prompter.question_ids(request.question, "").shape[0]
+            scanner = StopScanner(request.stop)
+            pieces = iter(stream)
+            try:
+                for piece in pieces:
+                    if text := scanner.feed(piece):
+                        emit(text)
+                    if scanner.stopped or cancel.is_set():
+                        break
+                else:
+                    if text := scanner.flush():
+                        emit(text)
+            finally:
+                pieces.close()  # the answer's result is set as far as it got
+            result = stream.result
+            finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
+            usage = Usage(prepared.tokens + question_tokens, result.new_tokens, prepared.tokens if reused else 0)
+            details = {"cache": "reused" if reused else "prefilled", "document_tokens": prepared.tokens,
+                       "mode": prepared.mode, "seconds": round(time.perf_counter() - started, 3),
+                       "ttft_seconds": round(result.ttft_seconds, 3),
+                       "decode_tokens_per_second": round(result.decode_tokens_per_second, 1),
+                       "engine": result.engine.as_json()}
+            return Finished(finish, usage, details)

@@ -1,0 +1,269 @@
+"""snapkv serve --http: the OpenAI-compatible API, driven by the official `openai` client against a server started here
+(uvicorn on a free loopback port, the embedded model), and its request checks on their own."""
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from snapkv.compression.config import DEFAULTS  # noqa: E402
+from snapkv.io.documents import Document  # noqa: E402
+from snapkv.serving.chat_request import RequestError, parse_chat_request  # noqa: E402
+from snapkv.serving.chat_service import ChatService, StopScanner  # noqa: E402
+from snapkv.serving.openai_app import OpenAIApp  # noqa: E402
+from snapkv.session import Session  # noqa: E402
+from snapkv.storage.store import CacheStore  # noqa: E402
+
+KEY = "test-key-7f3a"
+DOCUMENT = ("Wick Instruments, annual report. Revenue in 2023 was 121.3 million euros, up from 96.4 million in 2022. "
+            "The company employs 412 people at its plant in Tarnow. Its chief executive is Ada Lind, who joined in "
+            "2019. The board meets on the first Monday of each quarter.")
+LONG_QUESTION = "Count from 1 to 300, writing every number in words, separated by commas."
+
+
+@pytest.fixture(scope="module")
+def server(embedded, tmp_path_factory):
+    """(base URL, the app) of a server on a free port, its store in a folder of its own; one request may wait."""
+    store = CacheStore(tmp_path_factory.mktemp("http-store"))
+    app = OpenAIApp(ChatService(embedded, DEFAULTS, store), api_key=KEY, queue=0)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    config = uvicorn.Config(app.asgi, log_level="warning", access_log=False)
+    running = uvicorn.Server(config)
+    thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    for _ in range(100):
+        if running.started:
+            break
+        time.sleep(0.05)
+    yield base, app
+    running.should_exit = True
+    thread.join(timeout=10)
+
+
+def _client(server, key=KEY):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _messages(question: str, document: str = DOCUMENT) -> list[dict]:
+    return [{"role": "user", "content": document}, {"role": "user", "content": question}]
+
+
+def _settled(server) -> dict:
+    """/health once no request is in flight."""
+    for _ in range(400):
+        with urllib.request.urlopen(server[0] + "/health", timeout=5) as response:
+            health = json.load(response)
+        if health["in_flight"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"a request is still in flight: {health}")
+
+
+def test_answers_streamed_and_not_equal_the_librarys_and_a_second_question_reuses_the_cache(server, embedded,
+                                                                                              tmp_path):
+    client = _client(server)
+    assert [m.id for m in client.models.list().data] == [embedded.name]
+    document = DOCUMENT + " (edition A)"  # a document no other test asked about: its first question prefills
+    first = client.chat.completions.create(model=embedded.name, messages=_messages("What was the revenue in 2023?",
+                                                                                   document), max_tokens=48)
+    # what `snapkv ask` answers for the same document and question (greedy: the same tokens)
+    session = Session(embedded, DEFAULTS, store=CacheStore(tmp_path / "store"))
+    prepared = session.prepare(Document(document))
+    expected = "".join(session.ask(prepared, "What was the revenue in 2023?", max_new_tokens=48))
+    assert first.choices[0].message.content == expected and expected.strip()
+    assert first.choices[0].finish_reason == "stop" and first.usage.completion_tokens > 0
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # prefilled
+    assert first.usage.prompt_tokens > prepared.tokens
+
+    chunks = list(client.chat.completions.create(model="snapkv", messages=_messages("Who is the chief executive?",
+                                                                                    document),
+                                                 max_tokens=48, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(session.ask(prepared, "Who is the chief executive?", max_new_tokens=48))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    usage = chunks[-1].usage  # the last chunk: no choices, the usage
+    assert not chunks[-1].choices and usage.prompt_tokens_details.cached_tokens == prepared.tokens > 0
+    again = client.chat.completions.create(model="snapkv", messages=_messages("What was the revenue in 2023?",
+                                                                              document), max_tokens=48)
+    assert again.choices[0].message.content == expected  # from the reused cache: the same answer
+
+
+def test_stop_sequences_and_the_token_limit_end_an_answer_as_openai_says(server):
+    client = _client(server)
+    whole = client.chat.completions.create(model="snapkv", messages=_messages("Who is the chief executive?"),
+                                           max_tokens=48).choices[0].message.content
+    words = whole.split()
+    assert len(words) >= 3, whole
+    stop = " " + words[len(words) // 2]  # a sequence from the middle of the answer
+    stopped = client.chat.completions.create(model="snapkv", messages=_messages("Who is the chief executive?"),
+                                             max_tokens=48, stop=[stop, "never said"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == whole[:whole.index(stop)]
+    limited = client.chat.completions.create(model="snapkv", messages=_messages(LONG_QUESTION), max_tokens=5)
+    assert limited.choices[0].finish_reason == "length" and limited.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("extra, param", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                          ({"presence_penalty": 0.5}, "presence_penalty"),
+                                          ({"temperature": 3}, "temperature")])
+def test_what_snapkv_does_not_do_is_refused_with_a_400_naming_it(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(server).chat.completions.create(model="snapkv", messages=_messages("Who?"), **extra)
+    assert refused.value.status_code == 400 and refused.value.body["param"] == param
+    assert param in refused.value.body["message"]
+
+
+def test_neutral_values_of_unsupported_parameters_are_taken(server):
+    answer = _client(server).chat.completions.create(model="snapkv", messages=_messages("Who is the chief executive?"),
+                                                     max_tokens=8, n=1, presence_penalty=0, logprobs=False,
+                                                     user="someone")
+    assert answer.choices[0].message.content
+
+
+def test_a_wrong_or_missing_key_and_a_model_not_served_are_refused(server):
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").chat.completions.create(model="snapkv", messages=_messages("Who?"))
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="wrong").models.list()
+    request = urllib.request.Request(server[0] + "/v1/models")  # no Authorization header at all
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=5)
+    assert refused.value.code == 401 and json.load(refused.value)["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError):
+        _client(server).chat.completions.create(model="gpt-4o", messages=_messages("Who?"))
+
+
+def test_a_client_that_closes_its_stream_stops_the_answer(server):
+    before = _settled(server)
+    stream = _client(server).chat.completions.create(model="snapkv", messages=_messages(LONG_QUESTION),
+                                                     max_tokens=400, stream=True)
+    received = 0
+    for chunk in stream:
+        received += bool(chunk.choices and chunk.choices[0].delta.content)
+        if received == 3:
+            break
+    stream.close()
+    after = _settled(server)
+    assert after["cancelled"] == before["cancelled"] + 1  # the worker saw the client leave before it finished
+    assert 3 <= after["last_tokens"] < 100  # and stopped a few tokens later, far from its 400
+
+
+def test_a_request_past_the_queue_gets_429_at_once(server):
+    _settled(server)
+    stream = _client(server).chat.completions.create(model="snapkv", messages=_messages(LONG_QUESTION),
+                                                     max_tokens=400, stream=True)
+    next(iter(stream))  # answering: with queue=0 nothing may wait
+    try:
+        with pytest.raises(openai.RateLimitError) as refused:
+            _client(server).chat.completions.create(model="snapkv", messages=_messages("Who?"), max_tokens=4)
+        assert refused.value.body["code"] == "queue_full"
+    finally:
+        stream.close()
+    _settled(server)
+
+
+def _post(server, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(server[0] + "/v1/chat/completions", data=body, method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                                              **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as error:
+        return error.code, json.load(error)
+
+
+def test_a_body_that_is_not_json_or_too_large_is_refused_before_it_is_read_whole(server):
+    from snapkv.serving import openai_app
+
+    status, body = _post(server, b"{not json")
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body = _post(server, b"[" * 100000 + b"]" * 100000)  # nested past the parser's depth
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    status, body = _post(server, b"{}", {"Content-Length": str(openai_app.MAX_BODY_BYTES + 1)})
+    assert status == 413 and body["error"]["code"] == "body_too_large"
+    with urllib.request.urlopen(server[0] + "/health", timeout=5) as response:  # no key needed to ask if it lives
+        assert json.load(response)["status"] == "ok"
+
+
+def test_a_document_the_model_cannot_hold_is_a_400_saying_so(server):
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(server).chat.completions.create(model="snapkv", messages=_messages("Who?", "word " * 40000),
+                                                max_tokens=4)
+    assert "tokens" in refused.value.body["message"] and refused.value.body["code"] == "invalid_document"
+
+
+# ---- the request, read on its own
+
+def test_a_request_is_read_as_a_document_and_a_question():
+    chat = parse_chat_request({
+        "model": "m", "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two."}]},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "What is in part two?"}],
+        "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "END", "user": "u"})
+    assert chat.system == "Be brief." and chat.question == "What is in part two?"
+    assert chat.document == "Part one. Part two.\n\nNoted."
+    assert (chat.max_tokens, chat.sampling.temperature, chat.sampling.top_p, chat.sampling.seed, chat.stop) == (
+        20, 0.5, 0.9, 7, ("END",))
+    assert chat.ignored == ["user"]
+    alone = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
+                                                           {"role": "user", "content": "What does it say?"}]})
+    assert (alone.system, alone.document, alone.question) == (None, "The report.", "What does it say?")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": "doc"}, {"role": "assistant", "content": "a"}]},
+     "messages"),
+    ({"model": "m", "messages": [{"role": "user", "content": "only a question"}]}, "messages"),
+    ({"model": "m", "messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]},
+     "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+                                 {"role": "user", "content": "q"}]}, "messages[0].content[0]"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "seed": "7"}, "seed"),
+    ({"messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}]}, "model"),
+])
+def test_a_request_snapkv_cannot_answer_is_refused_naming_the_field(body, param):
+    with pytest.raises(RequestError) as refused:
+        parse_chat_request(body)
+    assert refused.value.status == 400 and refused.value.param == param
+
+
+def test_stop_sequences_are_found_across_pieces_and_nothing_after_them_is_shown():
+    scanner = StopScanner(("STOP", "\n\n"))
+    shown = "".join(scanner.feed(piece) for piece in ["The answer", " is 4", "2.ST", "OP and more"])
+    assert shown == "The answer is 42." and scanner.stopped
+    plain = StopScanner(())
+    assert plain.feed("a") + plain.feed("b") + plain.flush() == "ab" and not plain.stopped
+    held = StopScanner(("xyz",))
+    assert held.feed("abcx") == "ab" and held.flush() == "cx"
+
+
+def test_serve_http_refuses_to_listen_beyond_loopback_without_a_key_and_a_bad_address(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SNAPKV_HOME", str(tmp_path))
+    monkeypatch.delenv("SNAPKV_API_KEY", raising=False)
+    for address, said in (("0.0.0.0:8741", "--api-key"), ("localhost:99999", "port from 1 to 65535"),
+                          ("8741x", "[HOST:]PORT")):
+        result = subprocess.run([sys.executable, "-m", "snapkv_cli", "serve", "--http", address], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr
