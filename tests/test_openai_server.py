@@ -267,3 +267,19 @@ def test_serve_http_refuses_to_listen_beyond_loopback_without_a_key_and_a_bad_ad
         result = subprocess.run([sys.executable, "-m", "snapkv_cli", "serve", "--http", address], capture_output=True,
                                 text=True, timeout=60)
         assert result.returncode == 2 and said in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_readmes_openai_example_runs_as_written(server, monkeypatch, capsys):
+    """README's client snippet, pointed at this test's server (its port and key), from the repository's root."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    [code] = re.findall(r"## From other tools.*?```python\n(.*?)```", readme, flags=re.S)
+    assert 'base_url="http://127.0.0.1:8000/v1"' in code and 'api_key="none"' in code
+    code = code.replace("http://127.0.0.1:8000", server[0]).replace('api_key="none"', f'api_key="{KEY}"')
+    monkeypatch.chdir(root)
+    exec(compile(code, "README.md", "exec"), {})
+    answer, cached = capsys.readouterr().out.rsplit(" ", 1)
+    assert answer.strip() and int(cached) >= 0
