@@ -22,7 +22,7 @@ from snapkv.answering import cut_for_file
 from snapkv.base.errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
 from snapkv.compression.config import Cut, Plan, SnapKVConfig, Tier, Truncation, mode_of
 from snapkv.engine.engines import EngineUse, engine_setting
-from snapkv.engine.generation import Sampling, answer
+from snapkv.engine.generation import Sampling, answer, extended
 from snapkv.engine.memory import (PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory,
                                   wait_for_device)
 from snapkv.engine.models import LoadedModel
@@ -80,6 +80,7 @@ class PreparedDocument:
     notes: list[str] = field(default_factory=list)  # things the user should hear about (a rebuilt entry, staleness)
     prefill_peak_bytes: int = 0      # PeakMemory of the prefill (0 when loaded from a file)
     tier_seconds: float = 0.0        # of prefill_seconds, the part after the prefill: scoring, cut, rounding
+    turns: int = 0                   # finished turns of a conversation appended to the cache (Session.with_turn)
 
     @property
     def tokens(self) -> int:
@@ -379,6 +380,19 @@ class Session:
 
     # ------------------------------------------------------------------------------------ answers out
 
+    def with_turn(self, prepared: PreparedDocument, question: str, answer: str) -> PreparedDocument:
+        """`prepared` with a finished turn of a conversation (a question and the answer given) appended to a working
+        copy of its cache, so that the next question sees it and costs its own tokens, not the document's
+        (snapkv.engine.generation.extended); the saved file and `prepared` are unchanged. DocumentError where the
+        conversation would no longer leave room for a question."""
+        ids = self.prompter.turn_ids(question, answer, follow_up=prepared.turns > 0)
+        if self.context_limit and prepared.tokens + ids.shape[0] + QUESTION_ALLOWANCE > self.context_limit:
+            raise DocumentError(f"the conversation has grown to {prepared.tokens + ids.shape[0]} tokens of the "
+                                f"{self.loaded.context_length} {self.loaded.name} holds; start a new one (/clear, or "
+                                "ask without --continue)")
+        return replace(prepared, cache=extended(self.loaded.model, prepared.cache, ids), turns=prepared.turns + 1,
+                       path=None)
+
     def ask(self, prepared: PreparedDocument, question: str, *, answer_prefix: str = "",
             max_new_tokens: int = 256, sampling: Sampling = Sampling(), stop_at_end: bool = True,
             measure: bool = False) -> AnswerStream:
@@ -388,7 +402,7 @@ class Session:
         measure:     for benchmarks: memory handed back first, device waited for at the first and last token.
         """
         loaded = self.loaded
-        ids = self.prompter.question_ids(question, answer_prefix)
+        ids = self.prompter.question_ids(question, answer_prefix, follow_up=prepared.turns > 0)
         if self.context_limit:  # never decode past the positions the model was trained for
             room = self.context_limit - prepared.tokens - ids.shape[0]
             if room < 1:

@@ -97,6 +97,30 @@ def test_answers_streamed_and_not_equal_the_librarys_and_a_second_question_reuse
     assert again.choices[0].message.content == expected  # from the reused cache: the same answer
 
 
+def test_a_conversation_sees_its_earlier_turns_and_each_turn_costs_its_own_tokens(server, embedded, tmp_path):
+    client = _client(server)
+    document = DOCUMENT + " (edition C)"
+    first_question, second_question, third_question = ("Who is the chief executive?", "When did that person join?",
+                                                       "How many people does the company employ?")
+    messages = _messages(first_question, document)
+    first = client.chat.completions.create(model="snapkv", messages=messages, max_tokens=32)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": second_question}]
+    second = client.chat.completions.create(model="snapkv", messages=messages, max_tokens=32)
+    # the library's conversation: the first turn appended to a working copy of the document's cache
+    session = Session(embedded, DEFAULTS, store=CacheStore(tmp_path / "store"))
+    prepared = session.prepare(Document(document))
+    turned = session.with_turn(prepared, first_question, first.choices[0].message.content)
+    assert second.choices[0].message.content == "".join(session.ask(turned, second_question, max_new_tokens=32))
+    assert second.usage.prompt_tokens_details.cached_tokens == prepared.tokens  # the document, not the turn
+    assert second.usage.prompt_tokens > turned.tokens > prepared.tokens
+    messages += [{"role": "assistant", "content": second.choices[0].message.content},
+                 {"role": "user", "content": third_question}]
+    third = client.chat.completions.create(model="snapkv", messages=messages, max_tokens=32)
+    assert third.usage.prompt_tokens_details.cached_tokens == turned.tokens  # the document and the first turn
+    assert third.model_extra["snapkv"]["conversation_turns"] == 2
+
+
 def test_stop_sequences_and_the_token_limit_end_an_answer_as_openai_says(server):
     client = _client(server)
     whole = client.chat.completions.create(model="snapkv", messages=_messages("Who is the chief executive?"),
@@ -218,6 +242,11 @@ def test_a_request_is_read_as_a_document_and_a_question():
     assert (chat.max_tokens, chat.sampling.temperature, chat.sampling.top_p, chat.sampling.seed, chat.stop) == (
         20, 0.5, 0.9, 7, ("END",))
     assert chat.ignored == ["user"]
+    talk = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "The document."}, {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
+        {"role": "user", "content": "Q3"}]})
+    assert (talk.document, talk.turns, talk.question) == ("The document.", (("Q1", "A1"), ("Q2", "A2")), "Q3")
     alone = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
                                                            {"role": "user", "content": "What does it say?"}]})
     assert (alone.system, alone.document, alone.question) == (None, "The report.", "What does it say?")
@@ -239,6 +268,9 @@ def test_a_request_is_read_as_a_document_and_a_question():
     ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
       "seed": "7"}, "seed"),
     ({"messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}]}, "model"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q1"},
+                                 {"role": "assistant", "content": "a1"}, {"role": "assistant", "content": "a2"},
+                                 {"role": "user", "content": "q"}]}, "messages"),
 ])
 def test_a_request_snapkv_cannot_answer_is_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as refused:

@@ -221,3 +221,22 @@ def answer(
                 break
             stepper.hand_over()
             stepper = None
+
+
+@torch.inference_mode()
+def extended(model, cache: CompressedCache, ids: torch.Tensor) -> CompressedCache:
+    """`cache` with `ids` (n,) appended at positions original_length.. (a conversation's finished turns): their keys
+    and values computed by the model's forward against what the cache holds, nothing cut. A new cache, never
+    saved as it is (its stored form is gone); `cache` itself is unchanged."""
+    start, n = cache.original_length, ids.shape[0]
+    working = cache.to_dynamic_cache(model.config)  # a deferred cache's layers restored, each a layer of its own
+    device = model_device(model)
+    run_forward(model, ids.to(device).unsqueeze(0), working, torch.arange(start, start + n, device=device).unsqueeze(0))
+    added = torch.arange(start, start + n, device=cache.device)
+    positions = []
+    for held, layer in zip(cache.positions, working.layers):  # (kv_heads, kept) each
+        joined = torch.cat([held, added.expand(held.shape[0], n)], dim=1)
+        positions.append(joined[:, joined.shape[1] - layer.keys.shape[2]:])  # a sliding window keeps its tail
+    token_ids = torch.cat([cache.token_ids, ids.to(cache.token_ids.device)])
+    return CompressedCache.from_dynamic_cache(working, positions, start + n, token_ids, cache.tier,
+                                              cache.document_span)

@@ -19,6 +19,8 @@ from snapkv.compression.config import DEFAULT_SYSTEM
 
 _DOCUMENT_SLOT = "\x00SNAPKV_DOCUMENT\x00"
 _QUESTION_SLOT = "\x00SNAPKV_QUESTION\x00"
+_ANSWER_SLOT = "\x00SNAPKV_ANSWER\x00"
+_NEXT_SLOT = "\x00SNAPKV_NEXT\x00"
 INSTRUCTION = "Answer the question using the document below.\n\n<document>\n"
 USER_MESSAGE = f"{INSTRUCTION}{_DOCUMENT_SLOT}\n</document>\n\nQuestion:{_QUESTION_SLOT}"
 PLAIN_TEMPLATE = f"{USER_MESSAGE}\nAnswer:"
@@ -49,6 +51,33 @@ class PromptTemplate:
         return cls(head, middle, tail)
 
 
+@dataclass(frozen=True)
+class TurnTemplate:
+    """The rendered chat template around a conversation's later turns: after an answer, the end of the assistant's
+    turn and the start of the user's next one; after a follow-up question, the end of that turn and the start of
+    the assistant's."""
+
+    after_answer: str
+    tail: str
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, system: str = DEFAULT_SYSTEM) -> "TurnTemplate":
+        """Cut from the template rendered for [system, user, assistant, user]; plain text where the template does not
+        render such a conversation (or has no template)."""
+        plain = cls("\n\nQuestion:", "\nAnswer:")
+        if not getattr(tokenizer, "chat_template", None):
+            return plain
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": USER_MESSAGE}, {"role": "assistant", "content": _ANSWER_SLOT},
+            {"role": "user", "content": _NEXT_SLOT}]
+        try:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            after_answer, tail = rendered.split(_ANSWER_SLOT, 1)[1].split(_NEXT_SLOT, 1)
+        except Exception:  # no system role, an assistant turn rewritten, a slot dropped: plain text
+            return plain
+        return cls(after_answer, tail)
+
+
 def _template_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids if text else []
 
@@ -68,6 +97,9 @@ class Prompter:
         self.head_ids = _template_ids(tokenizer, template.head)
         self.middle_ids = _template_ids(tokenizer, template.middle)
         self.tail_ids = _template_ids(tokenizer, template.tail)
+        turn = TurnTemplate.for_tokenizer(tokenizer, system)
+        self.after_answer_ids = _template_ids(tokenizer, turn.after_answer)
+        self.follow_up_tail_ids = _template_ids(tokenizer, turn.tail)
 
     @property
     def overhead(self) -> int:
@@ -94,17 +126,27 @@ class Prompter:
             raise DocumentError("the document has no text to ask about")
         return torch.tensor(self.head_ids + document + self.middle_ids, dtype=torch.long)
 
-    def question_ids(self, question: str, answer_prefix: str = "") -> torch.Tensor:
+    def question_ids(self, question: str, answer_prefix: str = "", follow_up: bool = False) -> torch.Tensor:
         """(q,) ids of the question, the end of the user turn and the start of the answer.
 
         answer_prefix starts the assistant's reply (e.g. "The special magic number is"), which small
-        models follow well.
+        models follow well. follow_up: a question after earlier turns of a conversation (turn_ids), a user
+        message of its own rather than the question slot after the document.
         """
         if not question.strip():
             raise DocumentError("the question is empty")
-        ids = _plain_ids(self.tokenizer, " " + question.strip()) + self.tail_ids
+        if follow_up:
+            ids = _plain_ids(self.tokenizer, question.strip()) + self.follow_up_tail_ids
+        else:
+            ids = _plain_ids(self.tokenizer, " " + question.strip()) + self.tail_ids
         ids += _plain_ids(self.tokenizer, answer_prefix)
         return torch.tensor(ids, dtype=torch.long)
+
+    def turn_ids(self, question: str, answer: str, follow_up: bool) -> torch.Tensor:
+        """(t,) ids of one finished turn of a conversation, as a later question sees it: the question (as
+        question_ids), the answer given, the end of the assistant's turn and the start of the user's next."""
+        answered = _plain_ids(self.tokenizer, answer) + self.after_answer_ids
+        return torch.cat([self.question_ids(question, follow_up=follow_up), torch.tensor(answered, dtype=torch.long)])
 
 
 # One-off conveniences (each renders the template again; a Session keeps one Prompter).

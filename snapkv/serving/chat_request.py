@@ -4,7 +4,9 @@ last user message), a question (that message), and how to decode.
 The API's conventions (https://platform.openai.com/docs/api-reference/chat/create): `messages` in order, each with a
 `role` and a `content` that is a string or a list of text parts. snapkv reads them as a document and a question:
 
-    user / assistant messages     before the last user message: the document, their texts joined by blank lines
+    user / assistant messages     before the last user message: the document, their texts joined by blank lines;
+                                  from the user message before the first assistant message on (where a message
+                                  of its own comes before it), the conversation's finished turns (question, answer)
     system / developer messages   the system message the document is prompted with (part of its cache key); the
                                   document itself where no user or assistant message comes before the question
     the last user message         the question, the query-aware window that cuts the document's cache
@@ -57,6 +59,7 @@ class ChatRequest:
     system: str | None                   # None: snapkv's default system message
     document: str                        # the context: every user and assistant text before the question
     question: str
+    turns: tuple[tuple[str, str], ...] = ()  # the conversation's finished turns before the question: (question, answer)
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: Sampling = Sampling()
     stop: tuple[str, ...] = ()
@@ -106,6 +109,26 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+def _document_and_turns(texts: list[tuple[str, str]]) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """(the document, the finished turns) from the user and assistant texts before the question: the turns start at
+    the user message before the first assistant message, and alternate from there; where no message comes before
+    that one (the document inside the first question), everything is the document, as without turns."""
+    roles = [role for role, _ in texts]
+    first = roles.index("assistant") - 1 if "assistant" in roles else -1  # the first turn's question
+    if first < 1:  # no answer yet, or no message of its own before the first question: all of it is the document
+        return "\n\n".join(text for _, text in texts), ()
+    conversation = texts[first:]
+    if len(conversation) % 2 or any(
+            role != ("user", "assistant")[i % 2] for i, (role, _) in enumerate(conversation)):
+        raise RequestError("a conversation's messages after the document must alternate: a user question, the "
+                           "assistant's answer, ..., then the user's next question", param="messages",
+                           code="invalid_conversation")
+    turns = tuple((conversation[i][1], conversation[i + 1][1]) for i in range(0, len(conversation), 2))
+    if not all(question.strip() for question, _ in turns):
+        raise RequestError("a question of the conversation is empty", param="messages", code="invalid_conversation")
+    return "\n\n".join(text for _, text in texts[:first]), turns
+
+
 def _refuse_unsupported(body: dict) -> list[str]:
     """The ignored parameters present; RequestError for one snapkv does not honour, set to a value that matters."""
     for name, value in body.items():
@@ -149,7 +172,7 @@ def parse_chat_request(body) -> ChatRequest:
     question = texts[-1][1]
     if not question.strip():
         raise RequestError("the question (the last user message) is empty", param="messages")
-    document = "\n\n".join(text for _, text in texts[:-1])
+    document, turns = _document_and_turns(texts[:-1])
     if not document.strip() and systems:  # the document sent as the system message (llm -s, a RAG front end)
         document, systems = "\n\n".join(systems), []
     if not document.strip():
@@ -169,6 +192,6 @@ def parse_chat_request(body) -> ChatRequest:
         raise RequestError("top_p must be above 0", param="top_p")
     seed = _number(body, "seed", int, -(2 ** 63), 2 ** 63 - 1, None)
     return ChatRequest(model=model, system="\n\n".join(systems) if systems else None, document=document,
-                       question=question, max_tokens=max_tokens,
+                       question=question, turns=turns, max_tokens=max_tokens,
                        sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), stop=_stop(body),
                        stream=stream, include_usage=bool(options.get("include_usage")), ignored=ignored)

@@ -1,7 +1,9 @@
 """A chat request answered by a loaded model, as `snapkv ask` answers: the document's compressed cache taken from
 memory or the store (made and saved when missing), the question as its query-aware window, the answer streamed.
 
-ChatService.run is called on one worker thread (requests one at a time per model: snapkv.serving.openai_app queues
+A conversation's finished turns (the messages after the document) are appended to a working copy of the
+document's cache (Session.with_turn), carried on from the last conversation's copy where the request continues it,
+so that a follow-up costs its own tokens. ChatService.run is called on one worker thread (requests one at a time per model: snapkv.serving.openai_app queues
 them) and reports through a callback, so that the web side never waits on torch. A request whose client has gone
 (`cancel` set) stops between two tokens.
 """
@@ -86,6 +88,7 @@ class ChatService:
         self._truncate = truncate
         self._sessions: dict[str | None, Session] = {}
         self._prepared: OrderedDict[tuple, PreparedDocument] = OrderedDict()
+        self._conversation: tuple[tuple, tuple, PreparedDocument] | None = None  # (document key, turns, prepared)
         self._lock = threading.Lock()  # run() is meant for one thread; this keeps a second caller out
 
     @property
@@ -98,18 +101,34 @@ class ChatService:
                                              system=system)
         return self._sessions[system]
 
-    def _prepare(self, session: Session, system: str | None, text: str) -> tuple[PreparedDocument, bool]:
-        """(the document's prepared cache, whether it was reused: from memory or the store)."""
+    def _prepare(self, session: Session, system: str | None, text: str) -> tuple[tuple, PreparedDocument, bool]:
+        """(its key, the document's prepared cache, whether it was reused: from memory or the store)."""
         prompt = session.prompt(Document(text))
         key = (system, tuple(prompt.ids.tolist()))
         if key in self._prepared:
             self._prepared.move_to_end(key)
-            return self._prepared[key], True
+            return key, self._prepared[key], True
         prepared = session.prepare(prompt)
         self._prepared[key] = prepared
         while len(self._prepared) > KEPT_IN_MEMORY:
             self._prepared.popitem(last=False)
-        return prepared, prepared.hit
+        return key, prepared, prepared.hit
+
+    def _with_turns(self, session: Session, key: tuple, document: PreparedDocument, reused: int,
+                    turns: tuple[tuple[str, str], ...]) -> tuple[PreparedDocument, int]:
+        """(the document's cache with the conversation's finished turns appended, the tokens of it reused): the last
+        conversation's working copy is carried on where this one begins with its turns (so each turn is prefilled
+        once), else the turns are appended to the document's. Never saved."""
+        prepared, remaining = document, turns
+        if self._conversation is not None:
+            held_key, held_turns, held = self._conversation
+            if held_key == key and turns[:len(held_turns)] == held_turns:
+                prepared, reused, remaining = held, held.tokens, turns[len(held_turns):]
+        for question, answer in remaining:
+            prepared = session.with_turn(prepared, question, answer)
+        if turns:
+            self._conversation = (key, turns, prepared)
+        return prepared, reused
 
     def run(self, request: ChatRequest, cancel: threading.Event, emit: Callable[[str], None]) -> Finished | None:
         """Answer `request`, handing each piece of text to `emit`; None where `cancel` was set before it began.
@@ -120,14 +139,16 @@ class ChatService:
             started = time.perf_counter()
             session = self._session(request.system)
             try:
-                prepared, reused = self._prepare(session, request.system, request.document)
+                key, document, reused = self._prepare(session, request.system, request.document)
+                prepared, cached = self._with_turns(session, key, document, document.tokens if reused else 0,
+                                                    request.turns)
                 stream = session.ask(prepared, request.question, max_new_tokens=request.max_tokens,
                                      sampling=request.sampling)
             except (DocumentError, ConfigError) as error:  # too long for the model, ...
                 raise RequestError(str(error), code="invalid_document") from error
             except SnapKVError as error:  # out of memory, a store it cannot write: not the request's fault
                 raise RequestError(str(error), status=503, code="unavailable", kind="server_error") from error
-            question_tokens = session.prompter.question_ids(request.question, "").shape[0]
+            question_tokens = session.prompter.question_ids(request.question, follow_up=prepared.turns > 0).shape[0]
             scanner = StopScanner(request.stop)
             pieces = iter(stream)
             try:
@@ -143,8 +164,9 @@ class ChatService:
                 pieces.close()  # the answer's result is set as far as it got
             result = stream.result
             finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
-            usage = Usage(prepared.tokens + question_tokens, result.new_tokens, prepared.tokens if reused else 0)
-            details = {"cache": "reused" if reused else "prefilled", "document_tokens": prepared.tokens,
+            usage = Usage(prepared.tokens + question_tokens, result.new_tokens, cached)
+            details = {"cache": "reused" if reused else "prefilled", "document_tokens": document.tokens,
+                       "conversation_turns": prepared.turns,
                        "mode": prepared.mode, "seconds": round(time.perf_counter() - started, 3),
                        "ttft_seconds": round(result.ttft_seconds, 3),
                        "decode_tokens_per_second": round(result.decode_tokens_per_second, 1),
