@@ -16,16 +16,17 @@ from .options import (DeviceMapOption, DeviceOption, DtypeOption, EngineOption, 
                       PasswordOption, SETTINGS_OPTIONS, SkipDigestOption, SystemOption, TruncateOption,
                       explicit_settings, settings_from, settings_options)
 
-HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line).
+HELP = """Type a question and press Enter (end a line with \\ to continue it on the next line). Each question
+sees the earlier questions and answers of the conversation; /clear starts a new one.
   /help                 this text
   /show                 the settings in use
   /set NAME VALUE       change one: budget, temperature, top-p, seed, max-tokens
   /budget N             the same as /set budget N (turns query-aware on)
   /query-aware on|off   cut the cache per question with the question as the window, or answer from all of it
   /stats                document, cache and speed figures of the last answer
-  /save NAME            save the loaded cache to NAME (.snapkv is added when missing)
+  /save NAME            save the document's cache to NAME (.snapkv is added when missing; not the conversation)
   /load SOURCE          answer from another document, folder or saved .snapkv cache
-  /clear                clear the screen and forget this session's answers
+  /clear                forget the conversation (later questions no longer see earlier answers), clear the screen
   /exit                 leave (Ctrl-D too). Ctrl-C stops an answer and keeps the session.
 Tab completes the commands; each answer is logged as it is given (`snapkv logs`), with the input history."""
 COMMANDS = ("/help", "/show", "/set", "/budget", "/query-aware", "/stats", "/save", "/load", "/clear", "/exit",
@@ -104,10 +105,18 @@ def _number(name: str, value: str, kind=float, low: float | None = None, high: f
 class _State:
     """What the session's answers are made with; /set and /budget change it."""
 
-    prepared: object
+    prepared: object         # the document's cache with the conversation's finished turns appended
     last_cut: object
     sampling: object
     max_new_tokens: int
+    document: object = None  # the document's cache alone: what /clear goes back to, what /save saves
+
+    def __post_init__(self) -> None:
+        self.document = self.document or self.prepared
+
+    def without_conversation(self):
+        """The document's cache answered as the conversation's is (the same per-question cut)."""
+        return self.document.answering_with(self.prepared.per_question)
 
     def set(self, name: str, value: str) -> str:
         if name == "budget":
@@ -143,6 +152,8 @@ class _State:
             f"sampling     {'greedy' if sampling.temperature <= 0 else f'temperature {sampling.temperature}'}, "
             f"top-p {sampling.top_p}, seed {sampling.seed}",
             f"max-tokens   {self.max_new_tokens}",
+            f"conversation {prepared.turns} earlier turn{'s' if prepared.turns != 1 else ''} "
+            f"({prepared.tokens - self.document.tokens} tokens; /clear forgets them)",
         ])
 
 
@@ -252,7 +263,7 @@ def repl(
                     if not argument:
                         raise ReplError("say /save NAME")
                     path = Path(argument if argument.endswith(SUFFIX) else argument + SUFFIX)
-                    saved = dataclasses.replace(state.prepared)  # how this cache was obtained stays as it was
+                    saved = state.without_conversation()  # a copy: how this cache was obtained stays as it was
                     session.save(saved, path)
                     err.print(f"saved {path} ({saved.file_bytes / 2**20:.1f} MiB)", markup=False)
                 elif command == "/load":
@@ -262,11 +273,12 @@ def repl(
                     state = _State(opened, opened.per_question or settings.cut, state.sampling, state.max_new_tokens)
                     err.print(f"{opened.tokens} tokens ready from {argument}", markup=False)
                 elif command == "/clear":
+                    state.prepared = state.without_conversation()
                     answers.clear()
                     last = None
                     if err.is_terminal:
                         err.clear()
-                    err.print("cleared: the session's answers are forgotten", markup=False)
+                    err.print("cleared: a new conversation starts; earlier answers are forgotten", markup=False)
                 else:
                     raise ReplError(f"unknown command {command}; /help lists them")
             except (ReplError, SnapKVError) as error:
@@ -285,6 +297,11 @@ def repl(
                       markup=False)
         if len(answers) > count:
             last = report(loaded, state.prepared, answers[count:], timings)
+            if answers[-1].finish_reason != "interrupted":  # the next question sees this turn
+                try:
+                    state.prepared = session.with_turn(state.prepared, line, answer_prefix + answers[-1].text)
+                except SnapKVError as error:
+                    err.print(f"note: {error}; this answer is left out of the conversation", markup=False)
             if not no_log:  # logged as given: a session that ends badly loses none
                 log_answers(err, "repl", last)
             if as_json:

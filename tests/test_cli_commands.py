@@ -251,3 +251,20 @@ def test_info_groups_identical_layers():
     runs = _runs([(64, 10), (64, 10), (32, 6), (64, 10)])
     assert runs == [(0, 1, (64, 10)), (2, 2, (32, 6)), (3, 3, (64, 10))]
     assert [_span(first, last) for first, last, _ in runs] == ["layers 0-1", "layer 2", "layer 3"]
+
+
+@pytest.mark.slow
+def test_the_repl_is_a_conversation_until_clear_and_saves_the_document_alone(home, tmp_path):
+    """Each answer becomes a turn the next question sees (/show counts them), /clear starts a new conversation, and
+    /save saves the document's cache, not the conversation's."""
+    saved = tmp_path / "document.snapkv"
+    script = "\n".join([REVENUE, "And the year before?", "/show", f"/save {saved}", "/clear", "/show", "/exit"]) + "\n"
+    result = invoke("repl", str(SAMPLE), "--max-new-tokens", "24", input=script)
+    assert result.exit_code == 0, result.output
+    shown = [line for line in result.stderr.splitlines() if line.startswith("conversation ")]
+    assert len(shown) == 2 and shown[0].startswith("conversation 2 earlier turns (")
+    assert shown[1] == "conversation 0 earlier turns (0 tokens; /clear forgets them)"
+    assert "a new conversation starts" in result.stderr
+    described = json.loads(invoke("info", str(saved), "--json").stdout)
+    ready = int(result.stderr.split(" tokens ready")[0].split()[-1])
+    assert described["original_length"] == ready  # the document's tokens, no turn in it
