@@ -390,8 +390,7 @@ class Session:
             raise DocumentError(f"the conversation has grown to {prepared.tokens + ids.shape[0]} tokens of the "
                                 f"{self.loaded.context_length} {self.loaded.name} holds; start a new one (/clear, or "
                                 "ask without --continue)")
-        return replace(prepared, cache=extended(self.loaded.model, prepared.cache, ids), turns=prepared.turns + 1,
-                       path=None)
+        return replace(prepared, cache=extended(self.loaded.model, prepared.cache, ids), turns=prepared.turns + 1)
 
     def ask(self, prepared: PreparedDocument, question: str, *, answer_prefix: str = "",
             max_new_tokens: int = 256, sampling: Sampling = Sampling(), stop_at_end: bool = True,

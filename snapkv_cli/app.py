@@ -139,7 +139,7 @@ def _stdin_as_source(argv: list[str]) -> list[str]:
     except Exception:  # the command reports what is wrong with its arguments itself
         return argv
     source, questions = context.params.get("source"), context.params.get("questions")
-    if not source or questions:
+    if not source or questions or context.params.get("continue_"):  # -c: every argument is a question
         return argv
     position = len(argv) - 1 - argv[::-1].index(source)
     return [*argv[:position], "-", *argv[position:]]

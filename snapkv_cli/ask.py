@@ -3,6 +3,7 @@
 import json
 import sys
 import time
+from contextlib import nullcontext
 from typing import Optional
 
 import typer
@@ -19,7 +20,8 @@ def ask(
     ctx: typer.Context,
     source: str = typer.Argument(..., metavar="SOURCE", help="A document (.txt, .md, .pdf, .html), a folder of them, - for stdin, "
                                            "or a saved .snapkv cache."),
-    questions: list[str] = typer.Argument(..., metavar="QUESTION", help="One or more questions, answered in turn against one cache."),
+    questions: Optional[list[str]] = typer.Argument(None, metavar="QUESTION", show_default=False,
+                                                    help="One or more questions, answered in turn against one cache."),
     model: ModelOption = None,
     settings_given: dict = None,  # the settings options (snapkv_cli.options.settings_options)
     engine: EngineOption = None,
@@ -43,6 +45,9 @@ def ask(
                                                         "SNAPKV_NOLOG=1 does the same."),
     no_server: bool = typer.Option(False, "--no-server", help="Run here: use no running server and start none "
                                                               "(SNAPKV_NO_SERVER=1 does the same)."),
+    continue_: bool = typer.Option(False, "--continue", "-c",
+                                   help="Continue the last conversation: every argument is a question about the last "
+                                        "ask's document, and each sees the earlier questions and answers."),
 ) -> None:
     """Answer QUESTIONS about SOURCE, streaming each answer, then show speed and memory.
 
@@ -52,7 +57,11 @@ def ask(
 
     The first ask leaves a server that keeps the model loaded (for SNAPKV_KEEP_ALIVE seconds without a
     question, 300; 0 starts none), so that the next ask answers in about a second.
+
+    Each ask is a conversation that `snapkv ask -c QUESTION` continues: the same document, with the earlier
+    questions and answers before the new question (their tokens are prefilled, not the document's).
     """
+    from . import conversation
     from snapkv.storage.cachemeta import read_metadata
     from snapkv.io.documents import read_sources
 
@@ -60,6 +69,13 @@ def ask(
 
     settings = settings_from(**settings_given)
     err, out = stderr_console(), stdout_console()
+    earlier: list[tuple[str, str]] = []  # the conversation's turns before this ask's questions
+    if continue_:
+        questions = [source, *(questions or [])]
+        source, earlier = conversation.last_conversation()
+    elif not questions:  # as a usage error reads: the argument is optional only for -c
+        print("snapkv: error: Missing argument 'QUESTION'. (see snapkv ask --help)", file=sys.stderr)
+        raise typer.Exit(2)
 
     # what can be wrong with the input is found before torch and the model are loaded (a missing file at once)
     from_file = source.endswith(CACHE_SUFFIX)
@@ -95,20 +111,41 @@ def ask(
 
     answers = []
     timings = {"model_load_seconds": model_load_seconds, "ingest_seconds": ingest_seconds}
+    with working(err, f"Reading the conversation ({len(earlier)} earlier turns)...") if earlier else nullcontext():
+        for turn_question, turn_answer in earlier:
+            prepared = session.with_turn(prepared, turn_question, turn_answer)
     try:
         for question in questions:
             if not as_json and not quiet:
                 err.print("Q: " + inert(question), markup=False)
             stream_answer(session, prepared, question, answer_prefix=answer_prefix, max_new_tokens=max_new_tokens,
                           sampling=sampling, out=out, err=err, show=not as_json, results=answers)
+            if continue_ and answers[-1].finish_reason != "interrupted":  # the next question sees this one
+                prepared = session.with_turn(prepared, question, answer_prefix + answers[-1].text)
     finally:  # interrupted answers are logged too, as far as they got
         if not no_log:
             log_answers(err, "ask", report(loaded, prepared, answers, timings))
+        _remember(conversation, err, "-" if no_log else source,
+                  earlier + [(a.question, answer_prefix + a.text) for a in answers if a.finish_reason != "interrupted"])
     data = report(loaded, prepared, answers, timings)
     if as_json:
         sys.stdout.write(json.dumps(data) + "\n")
     elif not quiet:
         err.print(stats_table(data))
+
+
+def _remember(conversation, err, source: str, turns: list[tuple[str, str]]) -> None:
+    """This conversation is the one `ask -c` continues (none for stdin or --no-log); a failure to write it is said,
+    and the answers stand."""
+    from snapkv.base.errors import SnapKVError
+    from snapkv.logbook import logging_disabled
+
+    from .consoles import warn
+
+    try:
+        conversation.remember("-" if logging_disabled() else source, turns)
+    except SnapKVError as error:
+        warn(err, f"this conversation was not kept for ask -c: {error}")
 
 
 def _run_on_new_server(source: str, no_server: bool, model: Optional[str], device: str, dtype: str, quiet: bool,

@@ -268,3 +268,28 @@ def test_the_repl_is_a_conversation_until_clear_and_saves_the_document_alone(hom
     described = json.loads(invoke("info", str(saved), "--json").stdout)
     ready = int(result.stderr.split(" tokens ready")[0].split()[-1])
     assert described["original_length"] == ready  # the document's tokens, no turn in it
+
+
+@pytest.mark.slow
+def test_ask_continue_goes_on_with_the_last_conversation(home, embedded):
+    """`ask -c` asks about the last ask's document with its questions and answers before the new one, as the
+    library's conversation (Session.with_turn) answers; each -c adds its turn; with nothing to continue, exit 2."""
+    from snapkv.io.documents import read_sources
+    from snapkv.session import Session
+    from snapkv.storage.store import CacheStore
+    from snapkv_cli.conversation import last_conversation
+
+    first = invoke("ask", str(SAMPLE), REVENUE, "-q", "--max-new-tokens", "24", "--no-log")
+    assert first.exit_code == 0, first.output
+    with pytest.raises(ConfigError, match="no conversation to continue"):  # --no-log keeps none
+        invoke("ask", "-c", "And the year before?", "-q")
+    first = invoke("ask", str(SAMPLE), REVENUE, "-q", "--max-new-tokens", "24")
+    follow = invoke("ask", "-c", "And the year before?", "-q", "--max-new-tokens", "24")
+    assert follow.exit_code == 0, follow.output
+    source, turns = last_conversation()
+    assert source == str(SAMPLE.resolve())
+    assert [(question, answer.strip()) for question, answer in turns] == [
+        (REVENUE, first.stdout.strip()), ("And the year before?", follow.stdout.strip())]
+    session = Session(embedded, DEFAULTS, store=CacheStore())
+    prepared = session.with_turn(session.prepare(read_sources(str(SAMPLE))), REVENUE, turns[0][1])
+    assert follow.stdout.strip() == "".join(session.ask(prepared, "And the year before?", max_new_tokens=24)).strip()
