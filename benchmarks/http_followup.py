@@ -3,7 +3,8 @@
 Starts `snapkv serve --http` (the embedded model unless --model), then with the official `openai` client asks about a
 haystack document of --tokens tokens (with a line of its own, so that the first question really prefills): the first
 question (prefill, compress, save, answer), then --rounds follow-ups about the same document (its cache reused),
-then one more from a new server process (the cache read back from the store). Prints each request's wall time, its
+a conversation's second and third turns (the earlier turns appended to a working copy of the document's cache), then
+one more question from a new server process (the cache read back from the store). Prints each request's wall time, its
 time to first token (streamed), the cached tokens the usage reports, and the ratio of the first to the median
 follow-up. (The embedded model holds 8,192 tokens: 7500 leaves room for the template and the question.)
 
@@ -48,12 +49,17 @@ def running_server(command: list[str]):
         server.wait(timeout=30)
 
 
-def timed(client: openai.OpenAI, model: str, document: str, question: str, max_tokens: int) -> dict:
-    """One streamed request: wall time, time to first token, the answer and the usage."""
+def timed(client: openai.OpenAI, model: str, document: str, question: str, max_tokens: int,
+          turns: tuple = ()) -> dict:
+    """One streamed request (after the conversation's `turns`, (question, answer) each): wall time, time to first
+    token, the answer and the usage."""
     started = time.perf_counter()
     first, pieces, usage = None, [], None
+    messages = [{"role": "user", "content": document}]
+    for asked, answered in turns:
+        messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
     for chunk in client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": document}, {"role": "user", "content": question}],
+            model=model, messages=messages + [{"role": "user", "content": question}],
             max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}):
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -89,11 +95,15 @@ def main() -> None:
         followups = [timed(client, model, document, question, args.max_tokens) for question in
                      ([NEEDLE_QUESTION, "What is the special magic number mentioned in the text?"] * args.rounds)
                      [:args.rounds]]
+        turn = ((NEEDLE_QUESTION, first["text"]),)  # a conversation: the first question and its answer, then more
+        second_turn = timed(client, model, document, "Is that number odd or even?", args.max_tokens, turn)
+        turn += (("Is that number odd or even?", second_turn["text"]),)
+        third_turn = timed(client, model, document, "Say the number again.", args.max_tokens, turn)
     with running_server(command) as client:  # a new process: the document's cache comes from the store
         restarted = timed(client, model, document, NEEDLE_QUESTION, args.max_tokens)
     print(f"{model}, a {first['prompt']}-token prompt, {os.cpu_count()} CPUs")
     runs = [("first", first)] + [(f"follow-up {i + 1}", r) for i, r in enumerate(followups)]
-    for name, run in runs + [("restarted", restarted)]:
+    for name, run in runs + [("2nd turn", second_turn), ("3rd turn", third_turn), ("restarted", restarted)]:
         print(f"{name:12} {run['seconds']:7.2f} s  first token {run['ttft']:6.2f} s  cached_tokens {run['cached']:6}"
               f"  {run['text'][:60]!r}")
     median = statistics.median(r["seconds"] for r in followups)
