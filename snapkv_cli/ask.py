@@ -115,12 +115,12 @@ def ask(
         for turn_question, turn_answer in earlier:
             prepared = session.with_turn(prepared, turn_question, turn_answer)
     try:
-        for question in questions:
+        for number, question in enumerate(questions, 1):
             if not as_json and not quiet:
                 err.print("Q: " + inert(question), markup=False)
             stream_answer(session, prepared, question, answer_prefix=answer_prefix, max_new_tokens=max_new_tokens,
                           sampling=sampling, out=out, err=err, show=not as_json, results=answers)
-            if continue_ and answers[-1].finish_reason != "interrupted":  # the next question sees this one
+            if continue_ and number < len(questions) and answers[-1].finish_reason != "interrupted":  # the next sees it
                 prepared = session.with_turn(prepared, question, answer_prefix + answers[-1].text)
     finally:  # interrupted answers are logged too, as far as they got
         if not no_log:
