@@ -234,11 +234,10 @@ def test_a_request_is_read_as_a_document_and_a_question():
         "model": "m", "messages": [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two."}]},
-            {"role": "assistant", "content": "Noted."},
-            {"role": "user", "content": "What is in part two?"}],
+            {"role": "user", "content": "Anything else?"}],
         "max_completion_tokens": 20, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": "END", "user": "u"})
-    assert chat.system == "Be brief." and chat.question == "What is in part two?"
-    assert chat.document == "Part one. Part two.\n\nNoted."
+    assert chat.system == "Be brief." and chat.question == "Anything else?"
+    assert chat.document == "Part one. Part two." and chat.turns == ()
     assert (chat.max_tokens, chat.sampling.temperature, chat.sampling.top_p, chat.sampling.seed, chat.stop) == (
         20, 0.5, 0.9, 7, ("END",))
     assert chat.ignored == ["user"]
@@ -247,6 +246,16 @@ def test_a_request_is_read_as_a_document_and_a_question():
         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
         {"role": "user", "content": "Q3"}]})
     assert (talk.document, talk.turns, talk.question) == ("The document.", (("Q1", "A1"), ("Q2", "A2")), "Q3")
+    # `llm -s DOCUMENT Q1`, then `llm -c Q2`: the system message is the document, the first exchange a turn
+    continued = parse_chat_request({"model": "m", "messages": [
+        {"role": "system", "content": "The report."}, {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]})
+    assert (continued.system, continued.document, continued.turns) == (None, "The report.", (("Q1", "A1"),))
+    # the document inside the first question, no system message: everything before the question is the document
+    inside = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "Doc and Q1"}, {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"}]})
+    assert (inside.document, inside.turns) == ("Doc and Q1\n\nA1", ())
     alone = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
                                                            {"role": "user", "content": "What does it say?"}]})
     assert (alone.system, alone.document, alone.question) == (None, "The report.", "What does it say?")
