@@ -46,8 +46,7 @@ def ask(
     no_server: bool = typer.Option(False, "--no-server", help="Run here: use no running server and start none "
                                                               "(SNAPKV_NO_SERVER=1 does the same)."),
     continue_: bool = typer.Option(False, "--continue", "-c",
-                                   help="Continue the last conversation: every argument is a question about the last "
-                                        "ask's document, and each sees the earlier questions and answers."),
+                                   help="Continue the last ask's conversation: every argument is a question."),
 ) -> None:
     """Answer QUESTIONS about SOURCE, streaming each answer, then show speed and memory.
 
@@ -56,10 +55,8 @@ def ask(
     file is answered as it was made. With no SOURCE, a document piped in is read from stdin.
 
     The first ask leaves a server that keeps the model loaded (for SNAPKV_KEEP_ALIVE seconds without a
-    question, 300; 0 starts none), so that the next ask answers in about a second.
-
-    Each ask is a conversation that `snapkv ask -c QUESTION` continues: the same document, with the earlier
-    questions and answers before the new question (their tokens are prefilled, not the document's).
+    question, 300; 0 starts none), so that the next ask answers in about a second; `ask -c QUESTION`
+    continues the last ask's conversation.
     """
     from . import conversation
     from snapkv.storage.cachemeta import read_metadata

@@ -19,7 +19,7 @@ def snapkv(*args, home, env=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("argv, usage", [
-    (["ask"], "Usage: snapkv ask [OPTIONS] SOURCE QUESTION..."),
+    (["ask"], "Usage: snapkv ask [OPTIONS] SOURCE [QUESTION...]"),  # QUESTION may be left out with -c alone
     (["repl"], "Usage: snapkv repl [OPTIONS] SOURCE"),
     (["info"], "Usage: snapkv info [OPTIONS] FILE [DOCUMENT]"),
     (["cache", "rm"], "Usage: snapkv cache rm [OPTIONS] KEY..."),
