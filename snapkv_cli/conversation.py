@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from snapkv.base.atomic import write_atomically
-from snapkv.base.errors import ConfigError
+from snapkv.base.errors import ConfigError, StorageError
 from snapkv.base.paths import snapkv_home
 
 FILE_NAME = "conversation.json"
@@ -50,7 +50,10 @@ def remember(source: str, turns: list[tuple[str, str]]) -> None:
     remembered as none."""
     path = _path()
     if source == "-":
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            raise StorageError(f"cannot remove {path}: {error.strerror or error}") from None
         return
     if not source.startswith(("~", "/")):
         source = str(Path(source).resolve())

@@ -295,18 +295,22 @@ def repl(
             out.print()
             err.print(f"[answer stopped after {time.perf_counter() - started:.1f} s; the cache is unchanged]",
                       markup=False)
+        except SnapKVError as error:  # a question the conversation has no room left for, ...
+            err.print(f"error: {error}" + ("; /clear starts a new conversation" if state.prepared.turns else ""),
+                      markup=False)
         if len(answers) > count:
             last = report(loaded, state.prepared, answers[count:], timings)
-            if answers[-1].finish_reason != "interrupted":  # the next question sees this turn
-                try:
-                    state.prepared = session.with_turn(state.prepared, line, answer_prefix + answers[-1].text)
-                except SnapKVError as error:
-                    err.print(f"note: {error}; this answer is left out of the conversation", markup=False)
             if not no_log:  # logged as given: a session that ends badly loses none
                 log_answers(err, "repl", last)
             if as_json:
                 out.file.write(json.dumps(last) + "\n")
                 out.file.flush()
+            if answers[-1].finish_reason != "interrupted":  # the next question sees this turn
+                try:
+                    state.prepared = session.with_turn(state.prepared, line, answer_prefix + answers[-1].text)
+                except (SnapKVError, KeyboardInterrupt) as error:
+                    why = str(error) if isinstance(error, SnapKVError) else "stopped"
+                    err.print(f"note: {why}; this answer is left out of the conversation", markup=False)
     if not interactive and answers and not quiet and not as_json:
         err.print(stats_table(report(loaded, state.prepared, answers, timings)))
     if not interactive and failures:

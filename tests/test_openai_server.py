@@ -246,16 +246,18 @@ def test_a_request_is_read_as_a_document_and_a_question():
         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
         {"role": "user", "content": "Q3"}]})
     assert (talk.document, talk.turns, talk.question) == ("The document.", (("Q1", "A1"), ("Q2", "A2")), "Q3")
-    # `llm -s DOCUMENT Q1`, then `llm -c Q2`: the system message is the document, the first exchange a turn
-    continued = parse_chat_request({"model": "m", "messages": [
-        {"role": "system", "content": "The report."}, {"role": "user", "content": "Q1"},
-        {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]})
-    assert (continued.system, continued.document, continued.turns) == (None, "The report.", (("Q1", "A1"),))
-    # the document inside the first question, no system message: everything before the question is the document
-    inside = parse_chat_request({"model": "m", "messages": [
-        {"role": "user", "content": "Doc and Q1"}, {"role": "assistant", "content": "A1"},
-        {"role": "user", "content": "Q2"}]})
-    assert (inside.document, inside.turns) == ("Doc and Q1\n\nA1", ())
+    # the document inside the first question (a system message or not), or messages that do not alternate (a
+    # question left unanswered by an error): everything before the question is the document, no turns
+    for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Doc and Q1"},
+                      {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}],
+                     [{"role": "user", "content": "Doc and Q1"}, {"role": "assistant", "content": "A1"},
+                      {"role": "user", "content": "Q2"}]):
+        inside = parse_chat_request({"model": "m", "messages": messages})
+        assert (inside.document, inside.turns, inside.question) == ("Doc and Q1\n\nA1", (), "Q2")
+    unanswered = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "Doc"}, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"}, {"role": "user", "content": "Q2 again"}]})
+    assert (unanswered.document, unanswered.turns) == ("Doc\n\nQ1\n\nA1\n\nQ2", ())
     alone = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
                                                            {"role": "user", "content": "What does it say?"}]})
     assert (alone.system, alone.document, alone.question) == (None, "The report.", "What does it say?")
@@ -277,9 +279,6 @@ def test_a_request_is_read_as_a_document_and_a_question():
     ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
       "seed": "7"}, "seed"),
     ({"messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}]}, "model"),
-    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q1"},
-                                 {"role": "assistant", "content": "a1"}, {"role": "assistant", "content": "a2"},
-                                 {"role": "user", "content": "q"}]}, "messages"),
 ])
 def test_a_request_snapkv_cannot_answer_is_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as refused:

@@ -232,10 +232,10 @@ def extended(model, cache: CompressedCache, ids: torch.Tensor) -> CompressedCach
     working = cache.to_dynamic_cache(model.config)  # a deferred cache's layers restored, each a layer of its own
     device = model_device(model)
     run_forward(model, ids.to(device).unsqueeze(0), working, torch.arange(start, start + n, device=device).unsqueeze(0))
-    added = torch.arange(start, start + n, device=cache.device)
+    added = torch.arange(start, start + n)
     positions = []
-    for held, layer in zip(cache.positions, working.layers):  # (kv_heads, kept) each
-        joined = torch.cat([held, added.expand(held.shape[0], n)], dim=1)
+    for held, layer in zip(cache.positions, working.layers):  # (kv_heads, kept) each, on its layer's device
+        joined = torch.cat([held, added.to(held.device).expand(held.shape[0], n)], dim=1)
         positions.append(joined[:, joined.shape[1] - layer.keys.shape[2]:])  # a sliding window keeps its tail
     token_ids = torch.cat([cache.token_ids, ids.to(cache.token_ids.device)])
     return CompressedCache.from_dynamic_cache(working, positions, start + n, token_ids, cache.tier,

@@ -61,19 +61,19 @@ class TurnTemplate:
     tail: str
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, system: str = DEFAULT_SYSTEM) -> "TurnTemplate":
-        """Cut from the template rendered for [system, user, assistant, user]; plain text where the template does not
-        render such a conversation (or has no template)."""
+    def for_tokenizer(cls, tokenizer) -> "TurnTemplate":
+        """Cut from the template rendered for [user, assistant, user], without a system message (templates that put
+        it on the last user turn would repeat it in every turn); plain text where the template does not render
+        such a conversation (or has no template)."""
         plain = cls("\n\nQuestion:", "\nAnswer:")
         if not getattr(tokenizer, "chat_template", None):
             return plain
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": USER_MESSAGE}, {"role": "assistant", "content": _ANSWER_SLOT},
-            {"role": "user", "content": _NEXT_SLOT}]
+        messages = [{"role": "user", "content": USER_MESSAGE}, {"role": "assistant", "content": _ANSWER_SLOT},
+                    {"role": "user", "content": _NEXT_SLOT}]
         try:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             after_answer, tail = rendered.split(_ANSWER_SLOT, 1)[1].split(_NEXT_SLOT, 1)
-        except Exception:  # no system role, an assistant turn rewritten, a slot dropped: plain text
+        except Exception:  # an assistant turn rewritten, a slot dropped: plain text
             return plain
         return cls(after_answer, tail)
 
@@ -97,7 +97,7 @@ class Prompter:
         self.head_ids = _template_ids(tokenizer, template.head)
         self.middle_ids = _template_ids(tokenizer, template.middle)
         self.tail_ids = _template_ids(tokenizer, template.tail)
-        turn = TurnTemplate.for_tokenizer(tokenizer, system)
+        turn = TurnTemplate.for_tokenizer(tokenizer)
         self.after_answer_ids = _template_ids(tokenizer, turn.after_answer)
         self.follow_up_tail_ids = _template_ids(tokenizer, turn.tail)
 

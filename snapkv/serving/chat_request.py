@@ -5,10 +5,10 @@ The API's conventions (https://platform.openai.com/docs/api-reference/chat/creat
 `role` and a `content` that is a string or a list of text parts. snapkv reads them as a document and a question:
 
     user / assistant messages     before the last user message: the document, their texts joined by blank lines;
-                                  from the user message before the first assistant message on, the conversation's
-                                  finished turns (question, answer)
+                                  from the user message before the first assistant message on, where a message
+                                  comes before that one and they alternate, the conversation's finished turns
     system / developer messages   the system message the document is prompted with (part of its cache key); the
-                                  document itself where no user message comes before the question or the first turn
+                                  document itself where no other message comes before the question
     the last user message         the question, the query-aware window that cuts the document's cache
 
 A parameter snapkv does not honour is refused with a 400 naming it, unless it is given its neutral value (n=1,
@@ -109,30 +109,29 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _turns(conversation: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
-    """(question, answer) pairs of messages that alternate user, assistant; RequestError otherwise."""
+def _turns(conversation: list[tuple[str, str]]) -> tuple[tuple[str, str], ...] | None:
+    """(question, answer) pairs of messages that alternate user, assistant, each question with text; None
+    otherwise (a question left unanswered by an error, say)."""
     if len(conversation) % 2 or any(role != ("user", "assistant")[i % 2] for i, (role, _) in enumerate(conversation)):
-        raise RequestError("a conversation's messages after the document must alternate: a user question, the "
-                           "assistant's answer, ..., then the user's next question", param="messages",
-                           code="invalid_conversation")
+        return None
     turns = tuple((conversation[i][1], conversation[i + 1][1]) for i in range(0, len(conversation), 2))
-    if not all(question.strip() for question, _ in turns):
-        raise RequestError("a question of the conversation is empty", param="messages", code="invalid_conversation")
-    return turns
+    return turns if all(question.strip() for question, _ in turns) else None
 
 
 def _document_and_turns(texts: list[tuple[str, str]], systems: list[str]) -> tuple[str, tuple, list[str]]:
     """(the document, the finished turns, the system messages left as the system prompt) from the user and assistant
-    texts before the question. The turns start at the user message before the first assistant message; what comes
-    before it is the document, or, where nothing does, the system messages are (`llm -s DOCUMENT`, then `llm -c`);
-    with neither, everything before the question is the document, as without turns."""
+    texts before the question. The turns start at the user message before the first assistant message and alternate
+    from there; what comes before it is the document. Where no message comes before it (the document inside the
+    first question) or they do not alternate, everything before the question is the document, as without turns; with
+    no message at all before the question, the system messages are the document (`llm -s DOCUMENT QUESTION`)."""
+    if not texts and systems:
+        return "\n\n".join(systems), (), []
     roles = [role for role, _ in texts]
     first = roles.index("assistant") - 1 if "assistant" in roles else -1  # the first turn's question
-    if first >= 1:
-        return "\n\n".join(text for _, text in texts[:first]), _turns(texts[first:]), systems
-    if systems and (first == 0 or not texts):  # no user message before the question or the first turn
-        return "\n\n".join(systems), _turns(texts), []
-    return "\n\n".join(text for _, text in texts), (), systems
+    turns = _turns(texts[first:]) if first >= 1 else None
+    if turns is None:
+        return "\n\n".join(text for _, text in texts), (), systems
+    return "\n\n".join(text for _, text in texts[:first]), turns, systems
 
 
 def _refuse_unsupported(body: dict) -> list[str]:

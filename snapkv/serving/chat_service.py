@@ -124,6 +124,8 @@ class ChatService:
             held_key, held_turns, held = self._conversation
             if held_key == key and turns[:len(held_turns)] == held_turns:
                 prepared, reused, remaining = held, held.tokens, turns[len(held_turns):]
+            elif held_key != key:  # another document: its working copy is not kept beside this one's cache
+                self._conversation = None
         for question, answer in remaining:
             prepared = session.with_turn(prepared, question, answer)
         if turns:
