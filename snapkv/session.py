@@ -156,6 +156,11 @@ class AnswerStream:
         self._engine = engine
         self.result: AnswerResult | None = None
 
+    @property
+    def question_tokens(self) -> int:
+        """Tokens of the question as the model is given it (with the end of the turn and the answer's start)."""
+        return self._ids.shape[0]
+
     def __iter__(self) -> Iterator[str]:
         loaded, prepared = self._loaded, self._prepared
         tokenizer = loaded.tokenizer

@@ -150,7 +150,6 @@ class ChatService:
                 raise RequestError(str(error), code="invalid_document") from error
             except SnapKVError as error:  # out of memory, a store it cannot write: not the request's fault
                 raise RequestError(str(error), status=503, code="unavailable", kind="server_error") from error
-            question_tokens = session.prompter.question_ids(request.question, follow_up=prepared.turns > 0).shape[0]
             scanner = StopScanner(request.stop)
             pieces = iter(stream)
             try:
@@ -166,7 +165,7 @@ class ChatService:
                 pieces.close()  # the answer's result is set as far as it got
             result = stream.result
             finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
-            usage = Usage(prepared.tokens + question_tokens, result.new_tokens, cached)
+            usage = Usage(prepared.tokens + stream.question_tokens, result.new_tokens, cached)
             details = {"cache": "reused" if reused else "prefilled", "document_tokens": document.tokens,
                        "conversation_turns": prepared.turns,
                        "mode": prepared.mode, "seconds": round(time.perf_counter() - started, 3),
