@@ -4,7 +4,8 @@ Starts `snapkv serve --http` (the embedded model unless --model), then with the 
 haystack document of --tokens tokens (with a line of its own, so that the first question really prefills): the first
 question (prefill, compress, save, answer), then --rounds follow-ups about the same document (its cache reused),
 a conversation's second and third turns (the earlier turns appended to a working copy of the document's cache), then
-one more question from a new server process (the cache read back from the store). Prints each request's wall time, its
+a follow-up asked to cite (snapkv.cite), one more question from a new server process (the cache read back from the
+store). Prints each request's wall time, its
 time to first token (streamed), the cached tokens the usage reports, and the ratio of the first to the median
 follow-up. (The embedded model holds 8,192 tokens: 7500 leaves room for the template and the question.)
 
@@ -50,17 +51,20 @@ def running_server(command: list[str]):
 
 
 def timed(client: openai.OpenAI, model: str, document: str, question: str, max_tokens: int,
-          turns: tuple = ()) -> dict:
+          turns: tuple = (), cite: bool = False) -> dict:
     """One streamed request (after the conversation's `turns`, (question, answer) each): wall time, time to first
-    token, the answer and the usage."""
+    token, the answer and the usage; with `cite`, the passages it drew on and the time they took."""
     started = time.perf_counter()
-    first, pieces, usage = None, [], None
+    first, pieces, usage, details = None, [], None, {}
     messages = [{"role": "user", "content": document}]
     for asked, answered in turns:
         messages += [{"role": "user", "content": asked}, {"role": "assistant", "content": answered}]
     for chunk in client.chat.completions.create(
             model=model, messages=messages + [{"role": "user", "content": question}],
-            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True}):
+            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+            extra_body={"snapkv": {"cite": cite}}):
+        if chunk.choices and chunk.choices[0].finish_reason:
+            details = (chunk.model_extra or {}).get("snapkv", {})
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
             pieces.append(chunk.choices[0].delta.content)
@@ -68,7 +72,8 @@ def timed(client: openai.OpenAI, model: str, document: str, question: str, max_t
             usage = chunk.usage
     ended = time.perf_counter()
     return {"seconds": ended - started, "ttft": (first or ended) - started, "text": "".join(pieces),
-            "cached": usage.prompt_tokens_details.cached_tokens, "prompt": usage.prompt_tokens}
+            "cached": usage.prompt_tokens_details.cached_tokens, "prompt": usage.prompt_tokens,
+            "citations": details.get("citations"), "cite_seconds": details.get("cite_seconds")}
 
 
 def main() -> None:
@@ -99,13 +104,18 @@ def main() -> None:
         second_turn = timed(client, model, document, "Is that number odd or even?", args.max_tokens, turn)
         turn += (("Is that number odd or even?", second_turn["text"]),)
         third_turn = timed(client, model, document, "Say the number again.", args.max_tokens, turn)
+        cited = timed(client, model, document, NEEDLE_QUESTION, args.max_tokens, cite=True)
     with running_server(command) as client:  # a new process: the document's cache comes from the store
         restarted = timed(client, model, document, NEEDLE_QUESTION, args.max_tokens)
     print(f"{model}, a {first['prompt']}-token prompt, {os.cpu_count()} CPUs")
     runs = [("first", first)] + [(f"follow-up {i + 1}", r) for i, r in enumerate(followups)]
-    for name, run in runs + [("2nd turn", second_turn), ("3rd turn", third_turn), ("restarted", restarted)]:
+    for name, run in runs + [("2nd turn", second_turn), ("3rd turn", third_turn), ("cited", cited),
+                             ("restarted", restarted)]:
         print(f"{name:12} {run['seconds']:7.2f} s  first token {run['ttft']:6.2f} s  cached_tokens {run['cached']:6}"
               f"  {run['text'][:60]!r}")
+    top = (cited["citations"] or [{}])[0]
+    print(f"cited follow-up: the passages took {cited['cite_seconds']} s of its {cited['seconds']:.2f} s; the top one "
+          f"{top.get('text', '')[:80]!r} (line {top.get('line')})")
     median = statistics.median(r["seconds"] for r in followups)
     print(f"first / median follow-up: {first['seconds']:.2f} / {median:.2f} s = {first['seconds'] / median:.0f}x")
 

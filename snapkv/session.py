@@ -20,6 +20,7 @@ import torch
 
 from snapkv.answering import cut_for_file
 from snapkv.base.errors import CacheFileError, ConfigError, DocumentError, OutOfMemoryError, StorageError
+from snapkv.citing import Citation, Passage, cite, document_passages
 from snapkv.compression.config import Cut, Plan, SnapKVConfig, Tier, Truncation, mode_of
 from snapkv.engine.engines import EngineUse, engine_setting
 from snapkv.engine.generation import Sampling, answer, extended
@@ -81,6 +82,7 @@ class PreparedDocument:
     prefill_peak_bytes: int = 0      # PeakMemory of the prefill (0 when loaded from a file)
     tier_seconds: float = 0.0        # of prefill_seconds, the part after the prefill: scoring, cut, rounding
     turns: int = 0                   # finished turns of a conversation appended to the cache (Session.with_turn)
+    turn_tokens: int = 0             # the tokens of those turns (of `tokens`)
 
     @property
     def tokens(self) -> int:
@@ -126,6 +128,8 @@ class AnswerResult:
     finish_reason: str = "stop"  # "stop" (an end-of-turn token), "length" (the token limit or the context's
                                  # end) or "interrupted" (Ctrl-C, or the reader went away)
     engine: EngineUse = field(default_factory=EngineUse)  # what ran the question pass and the steps
+    citations: list[Citation] | None = None  # the passages it drew on (Session.cite), None where not asked for
+    cite_seconds: float = 0.0                # the time finding them took
 
     @property
     def decode_tokens_per_second(self) -> float:
@@ -155,6 +159,12 @@ class AnswerStream:
         self._measure = measure
         self._engine = engine
         self.result: AnswerResult | None = None
+        self.answer_ids: list[int] = []  # the answer's token ids as they are generated (stop tokens left out)
+
+    @property
+    def question_ids(self) -> torch.Tensor:
+        """(q,) the question as the model is given it (with the end of the turn and the answer's start)."""
+        return self._ids
 
     @property
     def question_tokens(self) -> int:
@@ -166,6 +176,7 @@ class AnswerStream:
         tokenizer = loaded.tokenizer
         first_token_at = None
         text = TextStream(tokenizer)
+        self.answer_ids = text.tokens
         pieces: list[str] = []
         finish = "interrupted"  # unless the loop ends by itself
         memory = PeakMemory(loaded.device, release=self._measure)
@@ -230,6 +241,8 @@ class Session:
         self.truncate = truncate
         self.context_limit = 0 if allow_extrapolation else loaded.context_length  # 0: no limit
         self.engine = engine_setting(engine)
+        # the last document's passages for citations: (its ids, its sources, the passages)
+        self._passages: tuple[torch.Tensor, list, list[Passage]] | None = None
 
     # ------------------------------------------------------------------------------------ documents in
 
@@ -395,7 +408,27 @@ class Session:
             raise DocumentError(f"the conversation has grown to {prepared.tokens + ids.shape[0]} tokens of the "
                                 f"{self.loaded.context_length} {self.loaded.name} holds; start a new one (/clear, or "
                                 "ask without --continue)")
-        return replace(prepared, cache=extended(self.loaded.model, prepared.cache, ids), turns=prepared.turns + 1)
+        return replace(prepared, cache=extended(self.loaded.model, prepared.cache, ids), turns=prepared.turns + 1,
+                       turn_tokens=prepared.turn_tokens + ids.shape[0])
+
+    def cite(self, prepared: PreparedDocument, stream: AnswerStream) -> list[Citation]:
+        """The passages of the document `stream`'s finished answer drew on, best first (snapkv.citing), also set as
+        its result's citations; [] for an empty answer."""
+        started = time.perf_counter()
+        cache = prepared.cache
+        document_ids = cache.token_ids[cache.document.start:cache.document.stop]
+        sources = list(prepared.document.sources)
+        known = self._passages
+        if known is None or known[1] != sources or not torch.equal(known[0], document_ids):
+            passages = document_passages(self.loaded.tokenizer, cache.token_ids, cache.document, sources,
+                                         cache.tier.truncation)
+            self._passages = known = (document_ids, sources, passages)  # the next question's too
+        citations = cite(self.loaded.model, cache, stream.question_ids, torch.tensor(stream.answer_ids, dtype=torch.long),
+                         known[2])
+        if stream.result is not None:
+            stream.result.citations = citations
+            stream.result.cite_seconds = time.perf_counter() - started
+        return citations
 
     def ask(self, prepared: PreparedDocument, question: str, *, answer_prefix: str = "",
             max_new_tokens: int = 256, sampling: Sampling = Sampling(), stop_at_end: bool = True,

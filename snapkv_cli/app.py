@@ -97,7 +97,11 @@ def _usage_error(error: Exception) -> int:
         print(context.get_help())
         return 0
     command = context.command_path if context is not None else "snapkv"
-    print(f"snapkv: error: {error.format_message()} (see {command} --help)", file=sys.stderr)
+    message = error.format_message()
+    if (context is not None and context.command.name == "ask" and context.params.get("continue_")
+            and getattr(getattr(error, "param", None), "name", None) == "source"):  # `ask -c` alone: no question
+        message = "Missing a question: snapkv ask -c QUESTION continues the last conversation."
+    print(f"snapkv: error: {message} (see {command} --help)", file=sys.stderr)
     return error.exit_code
 
 

@@ -45,6 +45,8 @@ def ask(
                                                         "SNAPKV_NOLOG=1 does the same."),
     no_server: bool = typer.Option(False, "--no-server", help="Run here: use no running server and start none "
                                                               "(SNAPKV_NO_SERVER=1 does the same)."),
+    cite: bool = typer.Option(False, "--cite", help="After each answer, list the passages of the document it drew "
+                                                    "on (file, page, line); in --json, each answer's citations."),
     continue_: bool = typer.Option(False, "--continue", "-c",
                                    help="Continue the last ask's conversation: every argument is a question."),
 ) -> None:
@@ -116,7 +118,7 @@ def ask(
             if not as_json and not quiet:
                 err.print("Q: " + inert(question), markup=False)
             stream_answer(session, prepared, question, answer_prefix=answer_prefix, max_new_tokens=max_new_tokens,
-                          sampling=sampling, out=out, err=err, show=not as_json, results=answers)
+                          sampling=sampling, out=out, err=err, show=not as_json, results=answers, cite=cite)
             if continue_ and number < len(questions) and answers[-1].finish_reason != "interrupted":  # the next sees it
                 prepared = session.with_turn(prepared, question, answer_prefix + answers[-1].text)
     finally:  # interrupted answers are logged too, as far as they got

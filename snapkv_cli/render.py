@@ -6,7 +6,7 @@ is read off a session.
 
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict
 
 from rich.console import Console
@@ -160,13 +160,18 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
         "answers": [
             {"question": a.question, "answer": a.text, "new_tokens": a.new_tokens, "finish_reason": a.finish_reason,
              "ttft_seconds": round(a.ttft_seconds, 4), "decode_tokens_per_second": round(a.decode_tokens_per_second, 2),
-             "engine": a.engine.as_json()}
+             "engine": a.engine.as_json(),
+             **({} if a.citations is None else {"citations": [c.to_dict() for c in a.citations],
+                                                "cite_seconds": round(a.cite_seconds, 4)})}
             for a in answers
         ],
         # what ran the last answer: the engine of its steps (snapkv.engine.engines) and the C kernels' variant
         "engine": answers[-1].engine.as_json() if answers else None,
-        "document": {"tokens": prepared.tokens, "truncated_tokens": truncation.tokens if truncation else 0,
+        "document": {"tokens": prepared.tokens - prepared.turn_tokens,
+                     "truncated_tokens": truncation.tokens if truncation else 0,
                      "sources": [asdict(s) for s in prepared.document.sources]},
+        # the earlier turns of a conversation the answers saw, appended after the document (not in its tokens)
+        "conversation": {"turns": prepared.turns, "tokens": prepared.turn_tokens},
         "compression": {
             "mode": prepared.mode,
             "method": cut.method.name if cut else "none",
@@ -229,9 +234,10 @@ def stats_table(data: dict) -> Table:
             table.add_row("cache", f"saved in {cache['save_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     for answer in data["answers"]:
         ended = {"stop": "", "length": ", stopped at the token limit", "interrupted": ", interrupted"}
+        cited = f", sources found in {answer['cite_seconds']:.2f} s" if "cite_seconds" in answer else ""
         table.add_row("answer", f"first token {answer['ttft_seconds']:.2f} s, "
                                 f"{answer['decode_tokens_per_second']:.1f} tokens/s, {answer['new_tokens']} tokens"
-                                f"{ended.get(answer['finish_reason'], '')}")
+                                f"{ended.get(answer['finish_reason'], '')}{cited}")
     if data.get("engine"):
         engine = data["engine"]
         kernels = f", {engine['kernels']} kernels" if engine["kernels"] else ", no C kernels"
@@ -248,11 +254,28 @@ def stats_table(data: dict) -> Table:
     return table
 
 
+CITED_CHARACTERS = 160  # of a cited passage shown on the terminal (--json has it whole)
+
+
+def print_citations(out: Console, citations: list) -> None:
+    """The passages an answer drew on, one line each: where, then the passage's start."""
+    if not citations:
+        out.print("Sources: none found (the answer is empty or the document has no text to cite)", style="dim",
+                  markup=False)
+        return
+    out.print("Sources:", style="dim", markup=False)
+    for number, citation in enumerate(citations, 1):
+        text = citation.text if len(citation.text) <= CITED_CHARACTERS else citation.text[:CITED_CHARACTERS - 3] + "..."
+        out.print(f"  [{number}] {citation.where()}: \"{text}\" ({citation.score:.0%} of the answer's attention)",
+                  markup=False, highlight=False, soft_wrap=True)
+
+
 def stream_answer(session: Session, prepared: PreparedDocument, question: str, *, answer_prefix: str,
                   max_new_tokens: int, sampling: Sampling, out: Console, err: Console, show: bool,
-                  results: list[AnswerResult]) -> AnswerResult:
+                  results: list[AnswerResult], cite: bool = False) -> AnswerResult:
     """Generate one answer, printing it as it comes when `show` (a spinner on stderr until its first token);
-    its numbers are appended to `results`, an interrupted answer's too, before the interrupt goes on."""
+    its numbers are appended to `results`, an interrupted answer's too, before the interrupt goes on.
+    cite: find the passages a finished answer drew on (its result's citations), printed after it when `show`."""
     stream = session.ask(prepared, question, answer_prefix=answer_prefix,
                          max_new_tokens=max_new_tokens, sampling=sampling)
     spinner = err.status("Thinking...") if show and err.is_terminal else None
@@ -277,6 +300,11 @@ def stream_answer(session: Session, prepared: PreparedDocument, question: str, *
             out.print(inert(answer_prefix), end="")
         if show:
             out.print()
+        if cite:
+            with err.status("Finding the passages it drew on...") if show and err.is_terminal else nullcontext():
+                citations = session.cite(prepared, stream)
+            if show:
+                print_citations(out, citations)
     finally:
         if spinner:
             spinner.stop()

@@ -23,13 +23,14 @@ sees the earlier questions and answers of the conversation; /clear starts a new 
   /set NAME VALUE       change one: budget, temperature, top-p, seed, max-tokens
   /budget N             the same as /set budget N (turns query-aware on)
   /query-aware on|off   cut the cache per question with the question as the window, or answer from all of it
+  /cite on|off          after each answer, list the passages of the document it drew on (file, page, line)
   /stats                document, cache and speed figures of the last answer
   /save NAME            save the document's cache to NAME (.snapkv is added when missing; not the conversation)
   /load SOURCE          answer from another document, folder or saved .snapkv cache
   /clear                forget the conversation (later questions no longer see earlier answers), clear the screen
   /exit                 leave (Ctrl-D too). Ctrl-C stops an answer and keeps the session.
 Tab completes the commands; each answer is logged as it is given (`snapkv logs`), with the input history."""
-COMMANDS = ("/help", "/show", "/set", "/budget", "/query-aware", "/stats", "/save", "/load", "/clear", "/exit",
+COMMANDS = ("/help", "/show", "/set", "/budget", "/query-aware", "/cite", "/stats", "/save", "/load", "/clear", "/exit",
             "/quit")
 SETTABLE = ("budget", "temperature", "top-p", "seed", "max-tokens")
 
@@ -110,6 +111,7 @@ class _State:
     sampling: object
     max_new_tokens: int
     document: object = None  # the document's cache alone: what /clear goes back to, what /save saves
+    cite: bool = False       # each answer's passages listed after it (/cite, --cite)
 
     def __post_init__(self) -> None:
         self.document = self.document or self.prepared
@@ -152,8 +154,9 @@ class _State:
             f"sampling     {'greedy' if sampling.temperature <= 0 else f'temperature {sampling.temperature}'}, "
             f"top-p {sampling.top_p}, seed {sampling.seed}",
             f"max-tokens   {self.max_new_tokens}",
+            f"cite         {'on: the passages each answer drew on are listed' if self.cite else 'off'}",
             f"conversation {prepared.turns} earlier turn{'s' if prepared.turns != 1 else ''} "
-            f"({prepared.tokens - self.document.tokens} tokens; /clear forgets them)",
+            f"({prepared.turn_tokens} tokens; /clear forgets them)",
         ])
 
 
@@ -177,6 +180,8 @@ def repl(
     dtype: DtypeOption = "auto",
     password: PasswordOption = None,
     system: SystemOption = None,
+    cite: bool = typer.Option(False, "--cite", help="After each answer, list the passages of the document it "
+                                                    "drew on (/cite on|off changes it)."),
     as_json: bool = typer.Option(False, "--json", help="Print each answer as one JSON line on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No greeting and no stats at the end."),
     no_log: bool = typer.Option(False, "--no-log", help="Keep this session's answers out of the log."),
@@ -223,7 +228,7 @@ def repl(
                       truncate=truncate, engine=engine, system=system)
     prepared = open_source(source, explicit_settings(ctx) if from_file else frozenset(), document)
     state = _State(prepared, prepared.per_question or settings.cut,
-                   Sampling(temperature=temperature, top_p=top_p, seed=seed), max_new_tokens)
+                   Sampling(temperature=temperature, top_p=top_p, seed=seed), max_new_tokens, cite=cite)
     timings = {"model_load_seconds": model_load_seconds}
     answers, failures = [], 0
     last = None  # the report of the last answer (what /stats shows)
@@ -259,6 +264,11 @@ def repl(
                         raise ReplError("say /query-aware on or /query-aware off")
                     state.prepared = state.prepared.answering_with(state.last_cut if argument == "on" else None)
                     err.print(f"query-aware {argument}", markup=False)
+                elif command == "/cite":
+                    if argument not in ("on", "off"):
+                        raise ReplError("say /cite on or /cite off")
+                    state.cite = argument == "on"
+                    err.print(f"cite {argument}", markup=False)
                 elif command == "/save":
                     if not argument:
                         raise ReplError("say /save NAME")
@@ -270,7 +280,8 @@ def repl(
                     if not argument:
                         raise ReplError("say /load SOURCE: a document, a folder or a .snapkv file")
                     opened = open_source(argument)
-                    state = _State(opened, opened.per_question or settings.cut, state.sampling, state.max_new_tokens)
+                    state = _State(opened, opened.per_question or settings.cut, state.sampling, state.max_new_tokens,
+                                   cite=state.cite)
                     err.print(f"{opened.tokens} tokens ready from {argument}", markup=False)
                 elif command == "/clear":
                     state.prepared = state.without_conversation()
@@ -290,7 +301,7 @@ def repl(
         try:
             stream_answer(session, state.prepared, line, answer_prefix=answer_prefix,
                           max_new_tokens=state.max_new_tokens, sampling=state.sampling, out=out, err=err,
-                          show=not as_json, results=answers)
+                          show=not as_json, results=answers, cite=state.cite)
         except KeyboardInterrupt:
             out.print()
             err.print(f"[answer stopped after {time.perf_counter() - started:.1f} s; the cache is unchanged]",

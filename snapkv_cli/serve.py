@@ -544,6 +544,8 @@ def serve(
                                                "KEY (required to listen beyond loopback)."),
     queue: int = typer.Option(8, "--queue", min=0, max=1024,
                               help="With --http: requests that may wait while one is answered; more get 429."),
+    cite: bool = typer.Option(False, "--cite", help="With --http: list the passages each answer drew on "
+                                                    "(snapkv.citations) unless a request says otherwise."),
     truncate: TruncateOption = None,
 ) -> None:
     """Keep the model loaded so that `snapkv ask` answers without starting over (a local Unix socket), or, with
@@ -554,6 +556,10 @@ def serve(
     message is the document (its compressed cache looked up in the store, made and saved when missing) and that
     message is the question.
     """
+    if cite and http is None:
+        print("snapkv: error: --cite goes with --http (snapkv ask --cite cites through the local server)",
+              file=sys.stderr)
+        raise typer.Exit(2)
     if http is not None:
         if stop or status or detach:
             print("snapkv: error: --http runs in the foreground; it takes none of --stop, --status, --detach",
@@ -561,7 +567,7 @@ def serve(
             raise typer.Exit(2)
         from .serve_http import serve_http
 
-        serve_http(http, api_key, queue, model, device, dtype, truncate)
+        serve_http(http, api_key, queue, model, device, dtype, truncate, cite)
         return
     path = socket_path()
     if stop:

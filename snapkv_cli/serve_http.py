@@ -49,7 +49,7 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 
 def serve_http(address: str, api_key: str | None, queue: int, model: str | None, device: str, dtype: str,
-               truncate: str | None) -> None:
+               truncate: str | None, cite: bool = False) -> None:
     """Load the model and answer the API on `address` until Ctrl-C."""
     from .consoles import stderr_console
 
@@ -77,7 +77,7 @@ def serve_http(address: str, api_key: str | None, queue: int, model: str | None,
     from .render import load_with_status
 
     loaded, _ = load_with_status(err, model, device, dtype)
-    app = OpenAIApp(ChatService(loaded, DEFAULTS, CacheStore(), truncate=truncate), api_key=api_key, queue=queue)
+    app = OpenAIApp(ChatService(loaded, DEFAULTS, CacheStore(), truncate=truncate, cite=cite), api_key=api_key, queue=queue)
     shown = f"[{host}]" if ":" in host else host
     print(f"snapkv: serving {loaded.name} at http://{shown}:{port}/v1 (OpenAI-compatible; "
           f"{'API key required' if api_key else 'no API key'}; Ctrl-C stops)", file=sys.stderr, flush=True)

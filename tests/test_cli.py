@@ -36,6 +36,8 @@ def test_help_explains_every_option(snapkv_home):
     (["ask", str(SAMPLE), "q", "--model", "missing.gguf"], 3, "no such GGUF file"),
     (["ask", str(SAMPLE), "q", "--device", "tpu:9"], 2, "device"),
     (["ask", str(SAMPLE)], 2, "Missing argument"),
+    (["ask", "-c"], 2, "Missing a question: snapkv ask -c QUESTION"),
+    (["serve", "--cite"], 2, "--cite goes with --http"),
 ])
 def test_bad_input_gets_a_message_and_an_exit_code(snapkv_home, args, code, message):
     result = run_snapkv(*args, home=snapkv_home)

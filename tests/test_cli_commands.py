@@ -293,3 +293,7 @@ def test_ask_continue_goes_on_with_the_last_conversation(home, embedded):
     session = Session(embedded, DEFAULTS, store=CacheStore())
     prepared = session.with_turn(session.prepare(read_sources(str(SAMPLE))), REVENUE, turns[0][1])
     assert follow.stdout.strip() == "".join(session.ask(prepared, "And the year before?", max_new_tokens=24)).strip()
+    # the report counts the conversation's turns apart from the document's tokens
+    third = json.loads(invoke("ask", "-c", "And the net debt?", "--json", "--max-new-tokens", "8").stdout)
+    assert third["conversation"]["turns"] == 2 and third["conversation"]["tokens"] > 0
+    assert third["document"]["tokens"] == prepared.tokens - prepared.turn_tokens

@@ -6,7 +6,7 @@ from pathlib import Path
 
 LIBRARY = Path(__file__).parent.parent / "snapkv"
 # snapkv/<layer>/...; "front door" is snapkv/*.py (session, answering, logbook); measure drives the front door
-LAYERS = ("base", "native", "io", "modeling", "compression", "storage", "engine", "front door", "measure", "serving")
+LAYERS = ("base", "native", "io", "modeling", "compression", "storage", "engine", "citing", "front door", "measure", "serving")
 
 
 def layer_of(module: str) -> str:

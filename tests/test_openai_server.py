@@ -147,6 +147,23 @@ def test_what_snapkv_does_not_do_is_refused_with_a_400_naming_it(server, extra, 
     assert param in refused.value.body["message"]
 
 
+def test_an_answer_asked_to_cite_lists_the_passages_it_drew_on_streamed_and_not(server):
+    client = _client(server)
+    asked = dict(model="snapkv", messages=_messages("How many people does the company employ?"), max_tokens=32)
+    answer = client.chat.completions.create(**asked, extra_body={"snapkv": {"cite": True}})
+    assert "412" in answer.choices[0].message.content
+    details = answer.model_extra["snapkv"]
+    top = details["citations"][0]
+    assert set(top) == {"source", "page", "line", "text", "score"} and details["cite_seconds"] > 0
+    assert top["text"] == "The company employs 412 people at its plant in Tarnow." and top["line"] == 1
+    assert top["source"] is None  # text sent in a message: no file to name
+    chunks = list(client.chat.completions.create(**asked, stream=True, extra_body={"snapkv": {"cite": True}}))
+    last = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert last.model_extra["snapkv"]["citations"] == details["citations"]
+    plain = client.chat.completions.create(**asked)
+    assert "citations" not in plain.model_extra["snapkv"]  # the server cites only when asked (or serve --cite)
+
+
 def test_neutral_values_of_unsupported_parameters_are_taken(server):
     answer = _client(server).chat.completions.create(model="snapkv", messages=_messages("Who is the chief executive?"),
                                                      max_tokens=8, n=1, presence_penalty=0, logprobs=False,
@@ -279,6 +296,10 @@ def test_a_request_is_read_as_a_document_and_a_question():
     ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
       "seed": "7"}, "seed"),
     ({"messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}]}, "model"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "snapkv": {"cite": "yes"}}, "snapkv.cite"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "snapkv": {"budget": 64}}, "snapkv"),
 ])
 def test_a_request_snapkv_cannot_answer_is_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as refused:

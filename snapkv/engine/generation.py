@@ -3,7 +3,7 @@
 The engine knows token ids only; callers decode and print.
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -15,7 +15,7 @@ from snapkv.compression.compress import CompressionPlan, compressing
 from snapkv.compression.config import Cut, Tier
 from snapkv.engine.engines import (EngineUse, engine_order, model_device,  # run_forward: the model's own forward
                                    run_forward)
-from snapkv.modeling.architectures import attention_layers
+from snapkv.modeling.architectures import attention_layers, hooked_attention
 from snapkv.modeling.chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from snapkv.storage.cache import CompressedCache
 from snapkv.storage.deferred import release_buffers
@@ -45,21 +45,13 @@ def _layer_positions(plan: CompressionPlan | None, layer_index: int, layer_lengt
     return source_positions[:, source_positions.shape[1] - layer_length :]
 
 
-@contextmanager
 def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
-    """Call on_layer(layers_done, layers_total) after each attention layer of the block's forwards."""
+    """Within the block, on_layer(layers_done, layers_total) is called after each attention layer of its forwards."""
     if on_layer is None:
-        yield
-        return
-    layers = attention_layers(model)
-    done = iter(range(1, len(layers) + 1))
-    handles = [layer.module.register_forward_hook(lambda *_: on_layer(next(done), len(layers)))
-               for layer in layers]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+        return nullcontext()
+    total = len(attention_layers(model))
+    done = iter(range(1, total + 1))
+    return hooked_attention(model, lambda *_: on_layer(next(done), total))
 
 
 @torch.inference_mode()

@@ -13,7 +13,6 @@ keys again. The cached tensors themselves are never written.
 """
 
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from typing import Callable
@@ -26,7 +25,7 @@ from snapkv.compression.config import Cut, Plan, Tier
 from snapkv.compression.methods import Method, Probe, PseudoQuestion
 from snapkv.compression.scoring import gather_positions
 from snapkv.engine.generation import chunked_prefill, model_device, prefill, run_forward
-from snapkv.modeling.architectures import attention_layers, window_queries
+from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
 from snapkv.storage.cache import CompressedCache
 
 Progress = Callable[[int, int], None]
@@ -59,18 +58,8 @@ def _score_layer_hook(method: Method, state: _ProbeScores, module, args, kwargs,
     layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
 
 
-@contextmanager
 def _scoring(model, method: Method, state: _ProbeScores):
-    handles = []
-    try:
-        for layer in attention_layers(model):
-            if layer.compressible:
-                hook = partial(_score_layer_hook, method, state)
-                handles.append(layer.module.register_forward_hook(hook, with_kwargs=True))
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return hooked_attention(model, partial(_score_layer_hook, method, state), compressible_only=True, with_kwargs=True)
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """The facts in an answer, and how two answers to one question differ in them: pure text functions.
 
     first_sentence(text)            the answer's first sentence ("184.6." ends it, "184.6 m" does not)
+    sentence_spans(text)            where each sentence of a text starts and ends (citations' passages)
     facts_of(sentence)              its numbers (digit strings with their decimals) and capitalised names
     compare(reference, other)       which of the reference's facts the other answer lacks or alters, and how
     fact_found(answer, expected)    whether an answer states the expected fact
@@ -51,6 +52,47 @@ def _sentence_end(text: str, pattern: re.Pattern) -> int | None:
                 continue
         return match.start() + 1
     return None
+
+
+def _word_before(text: str, index: int) -> str:
+    """The run of word characters and points that ends at `index` ("Ltd" in "Energy Ltd."), read backwards."""
+    start = index
+    while start > 0 and (text[start - 1].isalnum() or text[start - 1] in "._"):
+        start -= 1
+    return text[start:index]
+
+
+def _continues(text: str, index: int) -> bool:
+    """Whether the line starting at `index` carries on the one before: its first visible character is lower case."""
+    while index < len(text) and text[index] in " \t":
+        index += 1
+    return index < len(text) and text[index].islower()
+
+
+def sentence_spans(text: str) -> list[tuple[int, int]]:
+    """(start, end) of every sentence of `text`, as first_sentence ends one, white space around each left out, empty
+    ones skipped. A line break ends one too, unless the next line goes on in lower case (prose wrapped at a width,
+    as PDFs and plain-text files wrap it: "was 96.4\nmillion pounds")."""
+    spans, start = [], 0
+    for match in _SENTENCE_END.finditer(text):
+        if match.group() == "\n" and _continues(text, match.end()):
+            continue
+        if match.group() == ".":
+            word = _word_before(text, match.start())
+            if word.casefold() in _ABBREVIATIONS or (len(word) == 1 and word.isupper()):
+                continue
+        spans.append((start, match.start() + 1))
+        start = match.start() + 1
+    spans.append((start, len(text)))
+    stripped = []
+    for begin, end in spans:
+        while begin < end and text[begin].isspace():
+            begin += 1
+        while end > begin and text[end - 1].isspace():
+            end -= 1
+        if begin < end:
+            stripped.append((begin, end))
+    return stripped
 
 
 def first_sentence(text: str) -> str:

@@ -7,7 +7,9 @@ projections, norms and RoPE function, exactly as the layer's forward computes th
 
 import sys
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -110,3 +112,20 @@ def feed_forward_modules(model: nn.Module) -> list[nn.Module]:
 def layer_devices(model: nn.Module) -> list[torch.device]:
     """The device each attention layer runs on (several with accelerate's device_map), in layer order."""
     return [next(layer.module.parameters()).device for layer in attention_layers(model)]
+
+
+@contextmanager
+def hooked_attention(model: nn.Module, hook: Callable, *, compressible_only: bool = False,
+                     with_kwargs: bool = False) -> Iterator[None]:
+    """Within the block, `hook` runs after the forward of every attention module (only those snapkv compresses, with
+    compressible_only), as torch's forward hooks run: (module, args, output), or (module, args, kwargs, output) with
+    with_kwargs."""
+    handles = []
+    try:
+        for layer in attention_layers(model):
+            if layer.compressible or not compressible_only:
+                handles.append(layer.module.register_forward_hook(hook, with_kwargs=with_kwargs))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

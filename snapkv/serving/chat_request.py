@@ -11,6 +11,9 @@ The API's conventions (https://platform.openai.com/docs/api-reference/chat/creat
                                   document itself where no other message comes before the question
     the last user message         the question, the query-aware window that cuts the document's cache
 
+snapkv's own options ride in a `snapkv` object: {"snapkv": {"cite": true}} lists the passages the answer drew on in
+the response's `snapkv.citations` (extra_body with the openai client).
+
 A parameter snapkv does not honour is refused with a 400 naming it, unless it is given its neutral value (n=1,
 logprobs false, penalties 0, ...): a client that sends it set expects something snapkv would silently not do.
 """
@@ -29,7 +32,8 @@ TEXT_ROLES = ("user", "assistant")
 
 # Parameters read below; the others are refused unless they hold the neutral value listed here.
 READ = frozenset({"model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
-                  "temperature", "top_p", "seed", "stop"})
+                  "temperature", "top_p", "seed", "stop", "snapkv"})
+SNAPKV_OPTIONS = ("cite",)  # what the request's own "snapkv" object may hold
 IGNORED = frozenset({"user", "metadata", "store", "safety_identifier", "prompt_cache_key", "service_tier"})
 NEUTRAL = {"n": (1, None), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
            "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": ({}, None), "tools": ([], None),
@@ -65,6 +69,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False          # stream_options.include_usage: a last chunk with the usage
+    cite: bool | None = None             # snapkv.cite: list the passages the answer drew on (None: the server's choice)
     ignored: list[str] = field(default_factory=list)  # parameters accepted and not acted on
 
 
@@ -107,6 +112,19 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings of "
                            f"at most {MAX_STOP_CHARS} characters", param="stop")
     return tuple(stops)
+
+
+def _cite(body: dict) -> bool | None:
+    """snapkv's own options ({"snapkv": {"cite": true}}, extra_body in the openai client): whether to cite."""
+    options = body.get("snapkv")
+    if options is None:
+        return None
+    if not isinstance(options, dict) or not set(options) <= set(SNAPKV_OPTIONS):
+        raise RequestError(f"snapkv must be an object holding {', '.join(SNAPKV_OPTIONS)}", param="snapkv")
+    cite = options.get("cite")
+    if cite is not None and not isinstance(cite, bool):
+        raise RequestError("snapkv.cite must be true or false", param="snapkv.cite")
+    return cite
 
 
 def _turns(conversation: list[tuple[str, str]]) -> tuple[tuple[str, str], ...] | None:
@@ -197,4 +215,5 @@ def parse_chat_request(body) -> ChatRequest:
     return ChatRequest(model=model, system="\n\n".join(systems) if systems else None, document=document,
                        question=question, turns=turns, max_tokens=max_tokens,
                        sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), stop=_stop(body),
-                       stream=stream, include_usage=bool(options.get("include_usage")), ignored=ignored)
+                       stream=stream, include_usage=bool(options.get("include_usage")), cite=_cite(body),
+                       ignored=ignored)

@@ -81,8 +81,10 @@ class ChatService:
     """A loaded model answering chat requests, with the store the CLI uses (None: prefill every document)."""
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None, store: CacheStore | None,
-                 truncate: str | None = None) -> None:
+                 truncate: str | None = None, cite: bool = False) -> None:
+        """cite: list the passages each answer drew on where a request does not say (its snapkv.cite)."""
         self.loaded = loaded
+        self._cite = cite
         self._settings = settings
         self._store = store
         self._truncate = truncate
@@ -164,6 +166,8 @@ class ChatService:
             finally:
                 pieces.close()  # the answer's result is set as far as it got
             result = stream.result
+            cite = request.cite if request.cite is not None else self._cite
+            citations = session.cite(prepared, stream) if cite and not cancel.is_set() else None
             finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
             usage = Usage(prepared.tokens + stream.question_tokens, result.new_tokens, cached)
             details = {"cache": "reused" if reused else "prefilled", "document_tokens": document.tokens,
@@ -172,4 +176,6 @@ class ChatService:
                        "ttft_seconds": round(result.ttft_seconds, 3),
                        "decode_tokens_per_second": round(result.decode_tokens_per_second, 1),
                        "engine": result.engine.as_json()}
+            if citations is not None:  # the passages of the document it drew on; lines count the document's text
+                details.update(citations=[c.to_dict() for c in citations], cite_seconds=round(result.cite_seconds, 3))
             return Finished(finish, usage, details)
