@@ -66,9 +66,11 @@ def test_a_cut_cache_gives_attention_to_the_positions_it_holds_only():
 
 
 def test_sentences_end_at_their_point_and_at_line_breaks_but_not_in_wrapped_prose():
-    text = "Net debt was 96.4\nmillion pounds at Northwind Ltd. in 2023. Results\nDear shareholders,\nwe grew."
+    text = ("Net debt was 96.4\nmillion pounds at Northwind Ltd. in 2023. Results\nDear shareholders,\nwe grew in\n"
+            "2023, a lot.\nRevenue 184.6\n121.3 Costs\n\nthe end")
     assert [text[a:b] for a, b in sentence_spans(text)] == [
-        "Net debt was 96.4\nmillion pounds at Northwind Ltd. in 2023.", "Results", "Dear shareholders,\nwe grew."]
+        "Net debt was 96.4\nmillion pounds at Northwind Ltd. in 2023.", "Results",
+        "Dear shareholders,\nwe grew in\n2023, a lot.", "Revenue 184.6", "121.3 Costs", "the end"]
 
 
 def _passages(embedded, document, truncation=None):

@@ -63,10 +63,20 @@ def _word_before(text: str, index: int) -> str:
 
 
 def _continues(text: str, index: int) -> bool:
-    """Whether the line starting at `index` carries on the one before: its first visible character is lower case."""
+    """Whether the line starting at `index` carries on the one before it: it goes on in lower case, or with a number
+    after a word in lower case or a comma ("up from 121.3 million pounds in\n2022, an increase")."""
     while index < len(text) and text[index] in " \t":
         index += 1
-    return index < len(text) and text[index].islower()
+    if index >= len(text):
+        return False
+    if text[index].islower():
+        return True
+    if not text[index].isdigit():
+        return False
+    last = index - 1  # the last visible character before the line break
+    while last >= 0 and text[last].isspace():
+        last -= 1
+    return last >= 0 and (text[last].islower() or text[last] == ",")
 
 
 def sentence_spans(text: str) -> list[tuple[int, int]]:
