@@ -41,12 +41,10 @@ def ask(
     system: SystemOption = None,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout; progress goes to stderr."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the answers: no question line, no stats."),
-    no_log: bool = typer.Option(False, "--no-log", help="Keep these answers out of the log (`snapkv logs`); "
-                                                        "SNAPKV_NOLOG=1 does the same."),
+    no_log: bool = typer.Option(False, "--no-log", help="Keep these answers out of `snapkv logs`."),
     no_server: bool = typer.Option(False, "--no-server", help="Run here: use no running server and start none "
                                                               "(SNAPKV_NO_SERVER=1 does the same)."),
-    cite: bool = typer.Option(False, "--cite", help="After each answer, list the passages of the document it drew "
-                                                    "on (file, page, line); in --json, each answer's citations."),
+    cite: bool = typer.Option(False, "--cite", help="List the passages each answer drew on."),
     continue_: bool = typer.Option(False, "--continue", "-c",
                                    help="Continue the last ask's conversation: every argument is a question."),
 ) -> None:

@@ -8,10 +8,10 @@ import torch
 
 from conftest import VOCAB, build_tiny
 from pdf_fixtures import text_pdf
-from snapkv.citing import Citation, cite
+from snapkv.citing import Citation, Passage, Pooling, cite, passage_scores
 from snapkv.citing.attention import answer_attention
-from snapkv.citing.passages import document_passages
-from snapkv.compression.config import DEFAULTS, SnapKVConfig, Truncation
+from snapkv.citing.passages import MAX_PASSAGE_CHARS, document_passages
+from snapkv.compression.config import DEFAULTS, SnapKVConfig
 from snapkv.engine.generation import prefill
 from snapkv.io.documents import read_sources
 from snapkv.io.facts import sentence_spans
@@ -117,17 +117,46 @@ def test_a_folders_passages_name_their_file(embedded, tmp_path):
         ("Beta one.", ["sub", "b.txt"], 1), ("Beta three.", ["sub", "b.txt"], 3)]
 
 
-def test_a_truncated_documents_lines_are_known_only_before_the_cut(embedded, tmp_path):
+def test_a_folder_of_one_file_and_a_pdf_in_a_folder_name_their_files_pages_and_lines(embedded, tmp_path):
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "only.txt").write_text("First line.\nSecond line.\n")
+    passages = _passages(embedded, read_sources(str(alone)))
+    assert [(p.text, p.line) for p in passages] == [("First line.", 1), ("Second line.", 2)]  # no header cited
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.md").write_text("## Results\n\nAlpha grew.\n")  # a heading of its own, not a file's header
+    (mixed / "b.pdf").write_bytes(text_pdf([["Beta page one."], ["Beta page two."]]))
+    where = [(p.text, p.source.rsplit("/", 1)[-1], p.page, p.line) for p in _passages(embedded, read_sources(str(mixed)))]
+    assert where == [("## Results", "a.md", None, 1), ("Alpha grew.", "a.md", None, 3),
+                     ("Beta page one.", "b.pdf", 1, 1), ("Beta page two.", "b.pdf", 2, 1)]
+
+
+def test_a_sentence_without_an_end_is_cited_in_pieces(embedded, tmp_path):
+    path = tmp_path / "table.csv"
+    path.write_text(" ".join(f"cell{i}" for i in range(400)))
+    passages = _passages(embedded, read_sources(str(path)))
+    assert len(passages) > 3 and all(len(p.text) <= MAX_PASSAGE_CHARS for p in passages)
+    assert " ".join(p.text for p in passages) == path.read_text()
+
+
+@pytest.mark.parametrize("side", ["start", "middle", "end"])
+def test_a_truncated_documents_lines_are_known_only_before_the_cut(embedded, tmp_path, side):
     path = tmp_path / "long.txt"
-    path.write_text("".join(f"Line {i} says {i * 3}.\n" for i in range(1, 41)))
+    path.write_text("".join(f"Line {i} says {i * 3}.\n" for i in range(1, 81)))
     document = read_sources(str(path))
-    whole = _passages(embedded, document)
-    assert [p.line for p in whole] == list(range(1, 41))
-    start = _passages(embedded, document, Truncation("start", 100))
-    assert all(p.line is None for p in start) and start[0].source == str(path.resolve())
-    middle = _passages(embedded, document, Truncation("middle", 100))
-    known = [p.line for p in middle if p.line is not None]
-    assert known == list(range(1, len(known) + 1)) and 5 < len(known) < 35
+    session = Session(embedded, None, truncate=side)
+    prompt = session.prompt(document, max_tokens=session.prompter.overhead + 300)  # cut to 300 document tokens
+    assert prompt.truncation is not None and prompt.truncation.side == side
+    passages = document_passages(embedded.tokenizer, prompt.ids, prompt.document_span, document.sources,
+                                 prompt.truncation)
+    said = {p.text: p.line for p in passages}
+    if side == "start":
+        assert set(said.values()) == {None} and "Line 80 says 240." in said
+    elif side == "end":
+        assert said["Line 1 says 3."] == 1 and all(said[f"Line {i} says {i * 3}."] == i for i in range(1, 20))
+    else:  # the lines before the middle cut are known; after it, not
+        assert said["Line 1 says 3."] == 1 and said["Line 80 says 240."] is None
 
 
 # ------------------------------------------------------------------------------------------ cited answers
@@ -163,7 +192,35 @@ def test_the_top_citation_is_the_sentence_that_states_the_answers_fact(sample_an
 def test_an_empty_answer_cites_nothing(embedded):
     session = Session(embedded, DEFAULTS)
     prepared = session.prepare(read_sources(SAMPLE))
-    assert cite(embedded.model, prepared.cache, torch.tensor([1, 2]), torch.tensor([], dtype=torch.long), []) == []
+    cache = prepared.cache
+    passages = document_passages(embedded.tokenizer, cache.token_ids, cache.document, prepared.document.sources)
+    question = session.prompter.question_ids("What was the 2023 revenue?")
+    assert cite(embedded.model, cache, question, torch.tensor([], dtype=torch.long), passages) == []
+    assert cite(embedded.model, cache, question, torch.tensor([504, 28]), passages)  # two tokens of an answer do cite
+
+
+def test_a_saved_cache_stays_in_its_stored_bits_when_it_cites(embedded, tmp_path):
+    session = Session(embedded, DEFAULTS)
+    path = tmp_path / "report.snapkv"
+    session.save(session.prepare(read_sources(SAMPLE)), path)
+    loaded = session.load_file(path)
+    if not loaded.cache.deferred:
+        pytest.skip("this machine loads the file restored (no deferred layers to keep stored)")
+    stream = session.ask(loaded, "What was the 2023 revenue?", max_new_tokens=24)
+    "".join(stream)
+    assert session.cite(loaded, stream)
+    assert all(layer is None for layer in loaded.cache.keys._restored + loaded.cache.values._restored)
+
+
+def test_a_model_whose_chosen_depth_is_a_sliding_window_layer_reads_a_full_attention_one():
+    model = build_tiny("gemma3")  # layers: sliding, full, sliding
+    ids = torch.randint(3, VOCAB, (60,))
+    cache = prefill(model, ids[:50], None)
+    passages = [Passage(f"p{i}", range(i * 10, i * 10 + 10), None, None, None) for i in range(5)]
+    for depth in (0.0, 0.6, 0.99):
+        assert Pooling(depth=depth).layer([1], 3) == 1
+        scores = passage_scores(model, cache, ids[50:56], ids[56:], passages, Pooling(depth=depth))
+        assert float(scores.sum()) > 0 and bool((scores <= 1).all())
 
 
 def test_ask_cite_prints_the_sources_and_json_has_each_answers_citations(cli, home):

@@ -300,6 +300,8 @@ def test_a_request_is_read_as_a_document_and_a_question():
       "snapkv": {"cite": "yes"}}, "snapkv.cite"),
     ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
       "snapkv": {"budget": 64}}, "snapkv"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "snapkv": True}, "snapkv"),
 ])
 def test_a_request_snapkv_cannot_answer_is_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as refused:

@@ -47,9 +47,11 @@ def rows_attention(queries: torch.Tensor, keys: torch.Tensor, held: int, first_r
 
 
 class _State:
-    def __init__(self, cache: CompressedCache, rows: int, layers: set[int] | None, reduce: Reducer) -> None:
+    def __init__(self, cache: CompressedCache, working, rows: int, layers: set[int] | None, reduce: Reducer) -> None:
         self.held = [held for _, held, _ in cache.layer_shapes()]  # a deferred cache's layers left stored
         self.positions = cache.positions  # per layer (kv_heads, held)
+        # each layer's own tensors, put back once it has run: the copy the forward appended to is then freed
+        self.originals = [(getattr(layer, "keys", None), getattr(layer, "values", None)) for layer in working.layers]
         self.rows, self.layers, self.reduce = rows, layers, reduce
 
 
@@ -72,8 +74,9 @@ def _attention_hook(state: _State, module, args, kwargs, output) -> None:
             summed += rows_attention(queries, keys, held, start, module.scaling)
         positions = state.positions[index].to(keys.device)  # (kv_heads, held)
         state.reduce(index, summed, positions.repeat_interleave(q_heads // positions.shape[0], dim=0))
-    # the fed rows' keys are not needed by later layers of this forward: drop them now
-    layer.keys, layer.values = layer.keys[:, :, :held], layer.values[:, :, :held]
+    # the fed rows' keys are not needed by later layers of this forward: drop them (and the copy holding them) now
+    if layer.keys.shape[2] == held + fed:
+        layer.keys, layer.values = state.originals[index]
     if state.layers is not None and index >= max(state.layers):
         raise _Done
 
@@ -92,9 +95,11 @@ def answer_attention(model, cache: CompressedCache, fed_ids: torch.Tensor, rows:
         raise ValueError(f"{rows} rows asked of {fed_ids.shape[0]} fed tokens")
     device = model_device(model)
     start = cache.original_length
-    working = cache.to_dynamic_cache(model.config)
+    # the layers up to the last asked for (a deferred cache's restored for this pass only)
+    working = cache.to_dynamic_cache(model.config, through=None if layers is None else max(layers))
     positions = torch.arange(start, start + fed_ids.shape[0], device=device).unsqueeze(0)
-    with hooked_attention(model, partial(_attention_hook, _State(cache, rows, layers, reduce)), with_kwargs=True):
+    state = _State(cache, working, rows, layers, reduce)
+    with hooked_attention(model, partial(_attention_hook, state), with_kwargs=True):
         try:
             run_forward(model, fed_ids.to(device).unsqueeze(0), working, positions)
         except _Done:  # the working copy is dropped half-way: nothing after the last layer asked for is needed

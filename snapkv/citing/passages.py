@@ -19,6 +19,7 @@ from snapkv.io.documents import Source
 from snapkv.io.facts import sentence_spans
 from snapkv.io.streaming import TextStream
 
+MAX_PASSAGE_CHARS = 600  # a longer sentence is cited in pieces
 _PAGE_MARKER = re.compile(r"^\[page (\d+)\]$", re.MULTILINE)
 _FILE_HEADER = re.compile(r"^## (.+)$", re.MULTILINE)
 
@@ -71,30 +72,53 @@ def _belongs(source: Source, header: str) -> bool:
     return name == header or name.endswith("/" + header)
 
 
+def _file_headers(text: str, sources: list[Source]) -> list[tuple[int, Source, int]]:
+    """A folder's files in the text: (where the file's text starts, its source, where its header starts), in order.
+    A header is a line "## <path in the folder>" naming one of the sources not yet found, then a blank line."""
+    found, remaining = [], list(sources)
+    for match in _FILE_HEADER.finditer(text):
+        if not remaining or text[match.end():match.end() + 2] != "\n\n":
+            continue
+        at = next((i for i, source in enumerate(remaining) if _belongs(source, match.group(1))), None)
+        if at is not None:  # the files before it (cut off by a truncation) are passed over
+            found.append((match.end() + 2, remaining[at], match.start()))
+            del remaining[: at + 1]
+    return found
+
+
 def _regions(text: str, sources: list[Source], start_known: bool) -> list[_Region]:
     """The regions of the document text, in order: a file's text (after its header, in a folder) and each PDF page.
     start_known: False where the document's start was cut off (the first region's lines are then unknown)."""
-    if len(sources) <= 1:
-        files = [(0, sources[0] if sources else None, None)]
-    else:  # a folder: each file headed "## <path in the folder>", then a blank line
-        files, remaining = [], list(sources)
-        for match in _FILE_HEADER.finditer(text):
-            found = next((i for i, source in enumerate(remaining) if _belongs(source, match.group(1))), None)
-            if found is not None:
-                files.append((match.end() + 2, remaining[found], match.start()))
-                del remaining[: found + 1]
-        if not files or not text.startswith("## "):  # text before the first header seen: its file is unknown
+    headers = _file_headers(text, sources) if sources else []
+    if len(sources) > 1 or (headers and headers[0][2] == 0):  # a folder (of one file, too)
+        files = headers
+        if not files or files[0][2] != 0:  # text before the first header found: its file is unknown
             files.insert(0, (0, None, None))
+    else:
+        files = [(0, sources[0] if sources else None, None)]
     regions = []
     for index, (start, source, header) in enumerate(files):
         stop = files[index + 1][0] if index + 1 < len(files) else len(text)
         name = source.name if source is not None else None
-        known = start > 0 or (start_known and (source is not None or len(sources) <= 1))
+        known = header is not None or (start_known and (source is not None or not sources))
         regions.append(_Region(start, name, None, 1 if known else None, header))
         if source is not None and source.pages is not None:
             for match in _PAGE_MARKER.finditer(text, start, stop):
                 regions.append(_Region(match.end() + 1, name, int(match.group(1)), 1, match.start()))
     return regions
+
+
+def _capped(begin: int, end: int, text: str) -> list[tuple[int, int]]:
+    """A sentence longer than MAX_PASSAGE_CHARS (a table, text without punctuation) in pieces that end at white space."""
+    pieces = []
+    while end - begin > MAX_PASSAGE_CHARS:
+        cut = text.rfind(" ", begin + MAX_PASSAGE_CHARS // 2, begin + MAX_PASSAGE_CHARS)
+        cut = cut if cut > begin else begin + MAX_PASSAGE_CHARS
+        pieces.append((begin, cut))
+        begin = cut
+        while begin < end and text[begin].isspace():
+            begin += 1
+    return pieces + [(begin, end)] if begin < end else pieces
 
 
 def document_passages(tokenizer, token_ids: torch.Tensor, document: range, sources: list[Source],
@@ -113,8 +137,8 @@ def document_passages(tokenizer, token_ids: torch.Tensor, document: range, sourc
     for index, region in enumerate(regions):  # sentences never run over a file's header or a page's marker
         following = regions[index + 1] if index + 1 < len(regions) else None
         stop = len(text) if following is None else following.marker if following.marker is not None else following.start
-        for begin, end in sentence_spans(text[region.start:stop]):
-            begin, end = begin + region.start, end + region.start
+        spans = sentence_spans(text[region.start:stop])
+        for begin, end in (piece for a, b in spans for piece in _capped(a + region.start, b + region.start, text)):
             first_token = bisect.bisect_right(starts, begin) - 1
             last_token = bisect.bisect_left(starts, end)  # exclusive
             line = None

@@ -167,7 +167,12 @@ class ChatService:
                 pieces.close()  # the answer's result is set as far as it got
             result = stream.result
             cite = request.cite if request.cite is not None else self._cite
-            citations = session.cite(prepared, stream) if cite and not cancel.is_set() else None
+            citations, cite_failure = None, None
+            if cite and not cancel.is_set():
+                try:
+                    citations = session.cite(prepared, stream)
+                except (SnapKVError, RuntimeError) as error:  # out of memory, say: the answer stands, sent already
+                    cite_failure = f"the passages could not be found: {error}"
             finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
             usage = Usage(prepared.tokens + stream.question_tokens, result.new_tokens, cached)
             details = {"cache": "reused" if reused else "prefilled", "document_tokens": document.tokens,
@@ -178,4 +183,6 @@ class ChatService:
                        "engine": result.engine.as_json()}
             if citations is not None:  # the passages of the document it drew on; lines count the document's text
                 details.update(citations=[c.to_dict() for c in citations], cite_seconds=round(result.cite_seconds, 3))
+            if cite_failure is not None:
+                details["citations_error"] = cite_failure
             return Finished(finish, usage, details)

@@ -105,7 +105,7 @@ class CompressedCache:
         return [sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.nbytes
                     for part in pair) for pair in self.payload]
 
-    def to_dynamic_cache(self, model_config, into_room: bool = False) -> DynamicCache:
+    def to_dynamic_cache(self, model_config, into_room: bool = False, through: int | None = None) -> DynamicCache:
         """A fresh transformers cache over these tensors, ready for a forward pass.
 
         Full-attention layers start from these very tensors, without a copy: DynamicLayer only ever
@@ -115,17 +115,22 @@ class CompressedCache:
         into_room: for a question's pass over a deferred cache: its full-attention layers are restored one at a time
         into one buffer with the question's keys and values written after each head's positions
         (deferred.RestoringLayer); call deferred.release_buffers after that forward.
+        through: only layers 0..through are filled, for a forward stopped after that layer; a deferred cache's layers
+        are then restored for the returned cache alone, not kept in this one.
         """
         cache = DynamicCache(config=model_config)
         restoring = (restoring_layers(self.keys, self.values, self.question_room) if into_room and self.deferred
                      else None)
-        for index in range(self.num_layers):
+        for index in range(self.num_layers if through is None else through + 1):
             layer = cache.layers[index]
             if restoring is not None and type(layer) is DynamicLayer:
                 cache.layers[index] = restoring[index]
                 continue
-            # (1, kv_heads, kept, head_dim)
-            keys, values = self.keys[index].unsqueeze(0), self.values[index].unsqueeze(0)
+            if through is not None and self.deferred:
+                keys, values = self.keys.restored(index), self.values.restored(index)
+            else:
+                keys, values = self.keys[index], self.values[index]
+            keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # (1, kv_heads, kept, head_dim)
             if type(layer) is DynamicLayer:
                 layer.lazy_initialization(keys, values)
                 layer.keys, layer.values = keys, values

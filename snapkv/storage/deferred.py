@@ -40,6 +40,11 @@ class StoredLayers(Sequence):
             self._restored[index] = dequantize(self.parts[index], self.dtype)
         return self._restored[index]
 
+    def restored(self, index: int) -> torch.Tensor:
+        """Layer `index` in `dtype` for one use, not kept (the kept one where it was read before)."""
+        kept = self._restored[index]
+        return kept if kept is not None else dequantize(self.parts[index], self.dtype)
+
     def __add__(self, other) -> list[torch.Tensor]:
         return list(self) + list(other)
 
