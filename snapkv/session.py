@@ -287,12 +287,18 @@ class Session:
         prompt = source if isinstance(source, Prompt) else self.prompt(source)
         plan = self.plan
         key = cache_key(self.loaded.identity, prompt.ids, plan.stored, plan.bits) if self.store else None
-        notes = []
-        if self.store is not None and (path := self.store.lookup(key)) is not None:
+        notes, unreadable = [], False
+        try:
+            path = self.store.lookup(key) if self.store is not None else None
+        except StorageError as error:  # a shared store out of reach: made here, as if it were not there
+            notes.append(str(error))
+            path = None
+        if path is not None:
             try:
                 prepared = self._load(path, check_sources=False)
             except CacheFileError as error:  # rebuilt and overwritten below
                 notes.append(f"the saved cache was unreadable and has been rebuilt ({error})")
+                unreadable = True
             else:
                 if torch.equal(prepared.cache.token_ids, prompt.ids):
                     return replace(prepared, document=prompt.document, per_question=plan.per_question)
@@ -303,6 +309,11 @@ class Session:
                 self.save(prepared, self.store.path_for(key))
             except StorageError as error:  # the answers need only the cache in memory: go on without it
                 prepared.notes.append(f"{error} The next question on this document will prefill again.")
+            else:
+                try:  # a shared store: the other machines' next question on it is a hit (an unreadable one replaced)
+                    self.store.publish(key, replace=unreadable)
+                except StorageError as error:
+                    prepared.notes.append(str(error))
         return prepared
 
     def _prefill(self, prompt: Prompt, plan: Plan, on_layer: Callable[[int, int], None] | None,

@@ -92,14 +92,14 @@ def ask(
 
     from snapkv.engine.generation import Sampling
     from snapkv.session import Session
-    from snapkv.storage.store import CacheStore
+    from snapkv.storage.remote import open_store
 
     from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress,
                          report, stats_table, stream_answer)
 
     sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed)
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
-    session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
+    session = Session(loaded, settings, store=None if no_store else open_store(), verify=not skip_digest,
                       truncate=truncate, engine=engine, system=system)
     if from_file:
         prepared = load_file_with_status(err, session, source, explicit_settings(ctx))

@@ -47,11 +47,11 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
     """List the saved caches with their sizes, ages, models and sources."""
     from rich.table import Table
 
-    from snapkv.storage.store import CacheStore
+    from snapkv.storage.remote import open_store
 
     from .consoles import inert, stdout_console
 
-    store = CacheStore()
+    store = open_store()
     entries = store.entries()
     if as_json:
         print(json.dumps([{"key": e.key, "path": str(e.path), "bytes": e.size, "modified": e.modified,
@@ -61,7 +61,7 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
         return
     console = stdout_console()
     count = f"{len(entries)} cache{'' if len(entries) == 1 else 's'}"
-    console.print(f"{count}, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(str(store.root))}",
+    console.print(f"{count}, {sum(e.size for e in entries) / 2**20:.1f} MiB, in {inert(store.where)}",
                   soft_wrap=True)
     table = Table()
     for column in ("key", "size", "bits", "tier", "age", "model", "tokens", "mode", "sources"):
@@ -80,9 +80,9 @@ def list_entries(as_json: bool = typer.Option(False, "--json", help="Print the e
 @app.command(name="rm", cls=PlainCommand)
 def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or unique key prefixes) from `snapkv cache list`.")) -> None:
     """Delete saved caches by key."""
-    from snapkv.storage.store import CacheStore
+    from snapkv.storage.remote import open_store
 
-    store = CacheStore()
+    store = open_store()
     known = [entry.key for entry in store.entries()]
     for prefix in keys:
         matches = [key for key in known if key.startswith(prefix)]
@@ -95,9 +95,9 @@ def remove(keys: list[str] = typer.Argument(..., metavar="KEY", help="Keys (or u
 @app.command(name="clear", cls=PlainCommand)
 def clear(yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation.")) -> None:
     """Delete every saved cache."""
-    from snapkv.storage.store import CacheStore
+    from snapkv.storage.remote import open_store
 
-    store = CacheStore()
+    store = open_store()
     entries = store.entries()
     if not entries:
         print("the store is empty")

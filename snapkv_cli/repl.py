@@ -218,13 +218,13 @@ def repl(
 
     from snapkv.engine.generation import Sampling
     from snapkv.session import Session
-    from snapkv.storage.store import CacheStore
+    from snapkv.storage.remote import open_store
 
     from .render import (load_file_with_status, load_with_status, log_answers, prepare_with_progress, report,
                          stats_table, stream_answer)
 
     loaded, model_load_seconds = load_with_status(err, model, device, dtype, device_map)
-    session = Session(loaded, settings, store=None if no_store else CacheStore(), verify=not skip_digest,
+    session = Session(loaded, settings, store=None if no_store else open_store(), verify=not skip_digest,
                       truncate=truncate, engine=engine, system=system)
     prepared = open_source(source, explicit_settings(ctx) if from_file else frozenset(), document)
     state = _State(prepared, prepared.per_question or settings.cut,

@@ -546,6 +546,9 @@ def serve(
                               help="With --http: requests that may wait while one is answered; more get 429."),
     cite: bool = typer.Option(False, "--cite", help="With --http: list the passages each answer drew on "
                                                     "(snapkv.citations) unless a request says otherwise."),
+    store: Optional[str] = typer.Option(None, "--store", metavar="URL", envvar="SNAPKV_STORE",
+                                        help="With --http: the cache store, a folder or an fsspec URL shared by "
+                                             "several servers (s3://bucket/prefix needs s3fs)."),
     truncate: TruncateOption = None,
 ) -> None:
     """Keep the model loaded so that `snapkv ask` answers without starting over (a local Unix socket), or, with
@@ -556,6 +559,10 @@ def serve(
     message is the document (its compressed cache looked up in the store, made and saved when missing) and that
     message is the question.
     """
+    if store and http is None and "SNAPKV_STORE" not in os.environ:
+        print("snapkv: error: --store goes with --http (SNAPKV_STORE sets the store of every command)",
+              file=sys.stderr)
+        raise typer.Exit(2)
     if cite and http is None:
         print("snapkv: error: --cite goes with --http (snapkv ask --cite cites through the local server)",
               file=sys.stderr)
@@ -567,7 +574,7 @@ def serve(
             raise typer.Exit(2)
         from .serve_http import serve_http
 
-        serve_http(http, api_key, queue, model, device, dtype, truncate, cite)
+        serve_http(http, api_key, queue, model, device, dtype, truncate, cite, store)
         return
     path = socket_path()
     if stop:

@@ -49,13 +49,16 @@ def _bound_socket(host: str, port: int) -> socket.socket:
 
 
 def serve_http(address: str, api_key: str | None, queue: int, model: str | None, device: str, dtype: str,
-               truncate: str | None, cite: bool = False) -> None:
+               truncate: str | None, cite: bool = False, store: str | None = None) -> None:
     """Load the model and answer the API on `address` until Ctrl-C."""
     from .consoles import stderr_console
 
     err = stderr_console()
     try:
         host, port = parse_address(address)
+        from snapkv.storage.remote import open_store
+
+        shared = open_store(store)  # a URL fsspec cannot open is said before the model loads
         if not is_loopback(host) and not api_key:
             raise ConfigError(f"--http {address} listens beyond this machine: give --api-key KEY (or set "
                               "SNAPKV_API_KEY) so that only clients that send the key are answered")
@@ -72,12 +75,10 @@ def serve_http(address: str, api_key: str | None, queue: int, model: str | None,
 
     from snapkv.compression.config import DEFAULTS
     from snapkv.serving.chat_service import ChatService
-    from snapkv.storage.store import CacheStore
-
     from .render import load_with_status
 
     loaded, _ = load_with_status(err, model, device, dtype)
-    app = OpenAIApp(ChatService(loaded, DEFAULTS, CacheStore(), truncate=truncate, cite=cite), api_key=api_key, queue=queue)
+    app = OpenAIApp(ChatService(loaded, DEFAULTS, shared, truncate=truncate, cite=cite), api_key=api_key, queue=queue)
     shown = f"[{host}]" if ":" in host else host
     print(f"snapkv: serving {loaded.name} at http://{shown}:{port}/v1 (OpenAI-compatible; "
           f"{'API key required' if api_key else 'no API key'}; Ctrl-C stops)", file=sys.stderr, flush=True)

@@ -38,6 +38,7 @@ def test_help_explains_every_option(snapkv_home):
     (["ask", str(SAMPLE)], 2, "Missing argument"),
     (["ask", "-c"], 2, "Missing a question: snapkv ask -c QUESTION"),
     (["serve", "--cite"], 2, "--cite goes with --http"),
+    (["serve", "--http", "8123", "--store", "nosuch://bucket/caches"], 2, "is not a URL fsspec knows"),
 ])
 def test_bad_input_gets_a_message_and_an_exit_code(snapkv_home, args, code, message):
     result = run_snapkv(*args, home=snapkv_home)

@@ -48,6 +48,11 @@ class CacheStore:
     def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root) if root is not None else snapkv_home() / "caches"
 
+    @property
+    def where(self) -> str:
+        """The store as a user names it: its folder (a URL for a shared one)."""
+        return str(self.root)
+
     def path_for(self, key: str) -> Path:
         return self.root / f"{key}{SUFFIX}"
 
@@ -67,6 +72,11 @@ class CacheStore:
             stat = path.stat()
             found.append(StoreEntry(path, path.stem, stat.st_size, stat.st_mtime, metadata))
         return found
+
+    def publish(self, key: str, replace: bool = False) -> bool:
+        """Share the cache saved at path_for(key) where the store is shared with other machines (snapkv.storage.remote);
+        a folder holds it already: False."""
+        return False
 
     def remove(self, key: str) -> bool:
         path = self.path_for(key)
