@@ -15,7 +15,7 @@ import torch
 from snapkv.compression.config import Cut
 from snapkv.compression.scoring import gather_positions, kept_indices
 from snapkv.modeling import cpu_attention
-from snapkv.modeling.architectures import attention_layers, window_queries
+from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
 
 
 @dataclass
@@ -114,12 +114,6 @@ def capturing(model, window: int) -> Iterator[list[torch.nn.Module]]:
 @contextmanager
 def compressing(model, plan: CompressionPlan) -> Iterator[CompressionPlan]:
     """Within the block, every compressible attention layer cuts its cache to the plan after it runs."""
-    handles = []
-    try:
-        with capturing(model, plan.window) as modules:
-            for module in modules:
-                handles.append(module.register_forward_hook(partial(_compress_layer_hook, plan), with_kwargs=True))
-            yield plan
-    finally:
-        for handle in handles:
-            handle.remove()
+    with (capturing(model, plan.window),
+          hooked_attention(model, partial(_compress_layer_hook, plan), compressible_only=True, with_kwargs=True)):
+        yield plan

@@ -221,7 +221,8 @@ def extended(model, cache: CompressedCache, ids: torch.Tensor) -> CompressedCach
     and values computed by the model's forward against what the cache holds, nothing cut. A new cache, never
     saved as it is (its stored form is gone); `cache` itself is unchanged."""
     start, n = cache.original_length, ids.shape[0]
-    working = cache.to_dynamic_cache(model.config)  # a deferred cache's layers restored, each a layer of its own
+    # every layer; a deferred cache's restored for this forward only (the document's cache keeps its stored codes)
+    working = cache.to_dynamic_cache(model.config, through=cache.num_layers - 1)
     device = model_device(model)
     run_forward(model, ids.to(device).unsqueeze(0), working, torch.arange(start, start + n, device=device).unsqueeze(0))
     added = torch.arange(start, start + n)
