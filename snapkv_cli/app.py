@@ -11,6 +11,7 @@ from snapkv.compression.config import check_runtime_settings
 from snapkv.base.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
 
 from . import ask, bench, cache, compress, evaluate, info, logs, models, repl, serve
+from .serve_ray import ray_address_optional
 from .usage import PlainCommand
 
 MODEL_COMMANDS = ("ask", "compress", "repl", "serve", "bench", "eval")  # the commands that run a model
@@ -167,6 +168,7 @@ def run(argv: list[str]) -> int:
         return code
     serve.COMMAND_LINE.set(list(argv))  # the first ask hands it to the server it starts
     argv = _debug_flag(list(argv))
+    argv = ray_address_optional(argv)  # serve --ray with no address: a Ray started here
     try:
         code = app(args=argv, prog_name="snapkv", standalone_mode=False)  # Typer's exit code, 130 for Ctrl-C
     except SnapKVError as error:

@@ -549,10 +549,20 @@ def serve(
     store: Optional[str] = typer.Option(None, "--store", metavar="URL", envvar="SNAPKV_STORE",
                                         help="With --http: the cache store, a folder or an fsspec URL shared by "
                                              "several servers (s3://bucket/prefix needs s3fs)."),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="[ADDRESS]",
+                                      help="With --http: run the API as a Ray Serve application, on a Ray started "
+                                           "here (no ADDRESS) or on the cluster at ADDRESS (auto, ray://HOST:10001); "
+                                           "needs pip install 'snapkv[cluster]'."),
+    replicas: str = typer.Option("1", "--replicas", metavar="N|MIN-MAX",
+                                 help="With --ray: replicas, each loading the model once; MIN-MAX autoscales."),
+    replica_cpus: Optional[float] = typer.Option(None, "--replica-cpus", min=0.01,
+                                                 help="With --ray: CPUs each replica reserves (default: this "
+                                                      "machine's shared out on a Ray started here, else 1; GPU "
+                                                      "replicas 1)."),
     truncate: TruncateOption = None,
 ) -> None:
     """Keep the model loaded so that `snapkv ask` answers without starting over (a local Unix socket), or, with
-    --http, serve it to any OpenAI client.
+    --http, serve it to any OpenAI client, from this process or, with --ray, from replicas on Ray Serve.
 
     While it runs, `snapkv ask` runs there: same output, exit codes and --json; `ask --no-server` or
     SNAPKV_NO_SERVER=1 runs where it is typed instead. With --http, everything before a request's last user
@@ -567,11 +577,23 @@ def serve(
         print("snapkv: error: --cite goes with --http (snapkv ask --cite cites through the local server)",
               file=sys.stderr)
         raise typer.Exit(2)
+    if (ray is not None or replicas != "1" or replica_cpus is not None) and http is None:
+        print("snapkv: error: --ray, --replicas and --replica-cpus go with --http (snapkv serve --http 8000 --ray)",
+              file=sys.stderr)
+        raise typer.Exit(2)
+    if (replicas != "1" or replica_cpus is not None) and ray is None:
+        print("snapkv: error: --replicas and --replica-cpus go with --ray", file=sys.stderr)
+        raise typer.Exit(2)
     if http is not None:
         if stop or status or detach:
             print("snapkv: error: --http runs in the foreground; it takes none of --stop, --status, --detach",
                   file=sys.stderr)
             raise typer.Exit(2)
+        if ray is not None:
+            from .serve_ray import serve_ray
+
+            serve_ray(ray, replicas, replica_cpus, http, api_key, queue, model, device, dtype, truncate, cite, store)
+            return
         from .serve_http import serve_http
 
         serve_http(http, api_key, queue, model, device, dtype, truncate, cite, store)

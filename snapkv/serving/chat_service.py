@@ -81,9 +81,11 @@ class ChatService:
     """A loaded model answering chat requests, with the store the CLI uses (None: prefill every document)."""
 
     def __init__(self, loaded: LoadedModel, settings: SnapKVConfig | None, store: CacheStore | None,
-                 truncate: str | None = None, cite: bool = False) -> None:
-        """cite: list the passages each answer drew on where a request does not say (its snapkv.cite)."""
+                 truncate: str | None = None, cite: bool = False, kept_in_memory: int = KEPT_IN_MEMORY) -> None:
+        """cite: list the passages each answer drew on where a request does not say (its snapkv.cite);
+        kept_in_memory: documents whose prepared caches stay loaded for their next question."""
         self.loaded = loaded
+        self._kept_in_memory = max(1, kept_in_memory)
         self._cite = cite
         self._settings = settings
         self._store = store
@@ -103,18 +105,18 @@ class ChatService:
                                              system=system)
         return self._sessions[system]
 
-    def _prepare(self, session: Session, system: str | None, text: str) -> tuple[tuple, PreparedDocument, bool]:
-        """(its key, the document's prepared cache, whether it was reused: from memory or the store)."""
+    def _prepare(self, session: Session, system: str | None, text: str) -> tuple[tuple, PreparedDocument, str]:
+        """(its key, the document's prepared cache, where that came from: "memory", "store" or "prefill")."""
         prompt = session.prompt(Document(text))
         key = (system, tuple(prompt.ids.tolist()))
         if key in self._prepared:
             self._prepared.move_to_end(key)
-            return key, self._prepared[key], True
+            return key, self._prepared[key], "memory"
         prepared = session.prepare(prompt)
         self._prepared[key] = prepared
-        while len(self._prepared) > KEPT_IN_MEMORY:
+        while len(self._prepared) > self._kept_in_memory:
             self._prepared.popitem(last=False)
-        return key, prepared, prepared.hit
+        return key, prepared, "store" if prepared.hit else "prefill"
 
     def _with_turns(self, session: Session, key: tuple, document: PreparedDocument, reused: int,
                     turns: tuple[tuple[str, str], ...]) -> tuple[PreparedDocument, int]:
@@ -143,7 +145,8 @@ class ChatService:
             started = time.perf_counter()
             session = self._session(request.system)
             try:
-                key, document, reused = self._prepare(session, request.system, request.document)
+                key, document, source = self._prepare(session, request.system, request.document)
+                reused = source != "prefill"
                 prepared, cached = self._with_turns(session, key, document, document.tokens if reused else 0,
                                                     request.turns)
                 stream = session.ask(prepared, request.question, max_new_tokens=request.max_tokens,
@@ -175,7 +178,8 @@ class ChatService:
                     cite_failure = f"the passages could not be found: {error}"
             finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
             usage = Usage(prepared.tokens + stream.question_tokens, result.new_tokens, cached)
-            details = {"cache": "reused" if reused else "prefilled", "document_tokens": document.tokens,
+            details = {"cache": "reused" if reused else "prefilled", "cache_source": source,
+                       "document_tokens": document.tokens,
                        "conversation_turns": prepared.turns,
                        "mode": prepared.mode, "seconds": round(time.perf_counter() - started, 3),
                        "ttft_seconds": round(result.ttft_seconds, 3),

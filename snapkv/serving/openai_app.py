@@ -36,12 +36,27 @@ POLL_SECONDS = 0.25         # how often a waiting request checks whether its cli
 MODEL_ALIAS = "snapkv"      # answers as the served model too
 
 
-def _error(error: RequestError) -> JSONResponse:
+def error_response(error: RequestError) -> JSONResponse:
     headers = {"Retry-After": "5"} if error.status == 429 else None
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-async def _json_body(request: Request):
+def unauthorized() -> JSONResponse:
+    return error_response(RequestError("a valid API key is required: Authorization: Bearer KEY (the key snapkv serve "
+                                       "was started with)", status=401, code="invalid_api_key"))
+
+
+def key_matches(request: Request, key: bytes | None) -> bool:
+    """Whether the request may be answered: no key is set, or it sends `Authorization: Bearer KEY` (compared in
+    constant time)."""
+    if key is None:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, read up to MAX_BODY_BYTES (a declared Content-Length past it is refused unread)."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
         raise RequestError(f"the body is over {MAX_BODY_BYTES >> 20} MB", status=413, code="body_too_large")
@@ -51,8 +66,13 @@ async def _json_body(request: Request):
         if size > MAX_BODY_BYTES:
             raise RequestError(f"the body is over {MAX_BODY_BYTES >> 20} MB", status=413, code="body_too_large")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_body(request: Request):
+    body = await read_body(request)
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(body)
     except (ValueError, RecursionError):
         raise RequestError("the body is not valid JSON", code="invalid_json") from None
 
@@ -121,23 +141,13 @@ class OpenAIApp:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ])
 
-    def _authorized(self, request: Request) -> bool:
-        if self._key is None:
-            return True
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
-
-    def _unauthorized(self) -> JSONResponse:
-        return _error(RequestError("a valid API key is required: Authorization: Bearer KEY (the key snapkv serve was "
-                                   "started with)", status=401, code="invalid_api_key"))
-
     async def health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": self.service.model_id, "in_flight": self.in_flight,
                              "answered": self.answered, "cancelled": self.cancelled, "last_tokens": self.last_tokens})
 
     async def models(self, request: Request) -> JSONResponse:
-        if not self._authorized(request):
-            return self._unauthorized()
+        if not key_matches(request, self._key):
+            return unauthorized()
         return JSONResponse({"object": "list", "data": [{"id": self.service.model_id, "object": "model",
                                                          "created": 0, "owned_by": "snapkv"}]})
 
@@ -148,8 +158,8 @@ class OpenAIApp:
         self.last_tokens = finished.usage.completion_tokens if finished else 0
 
     async def chat_completions(self, request: Request) -> Response:
-        if not self._authorized(request):
-            return self._unauthorized()
+        if not key_matches(request, self._key):
+            return unauthorized()
         try:
             chat = parse_chat_request(await _json_body(request))
             if chat.model not in (self.service.model_id, MODEL_ALIAS):
@@ -159,14 +169,14 @@ class OpenAIApp:
                 raise RequestError(f"{self.in_flight} requests are already being answered or waiting; try again "
                                    "shortly", status=429, code="queue_full", kind="rate_limit_error")
         except RequestError as error:
-            return _error(error)
+            return error_response(error)
         self.in_flight += 1
         answering = _Answering(self.service, chat, self._executor, self._ended)
         first = await answering.next_event(request)  # an error before any text is a plain error response
         if first is None:
             return Response(status_code=499)
         if first[0] == "error":
-            return _error(first[1])
+            return error_response(first[1])
         identity = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.service.model_id}
         if chat.stream:
             return StreamingResponse(self._chunks(request, answering, chat, identity, first),
@@ -178,7 +188,7 @@ class OpenAIApp:
         if event is None or event[1] is None:  # the client left
             return Response(status_code=499)
         if event[0] == "error":
-            return _error(event[1])
+            return error_response(event[1])
         finished: Finished = event[1]
         return JSONResponse({**identity, "object": "chat.completion", "choices": [{
             "index": 0, "message": {"role": "assistant", "content": "".join(texts)}, "logprobs": None,
