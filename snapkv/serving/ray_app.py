@@ -144,7 +144,7 @@ class Router:
     async def _start(self, request: Request, body: bytes, name: str):
         """(the response's start message, the rest of its messages), sent again where the replica died first."""
         failure = None
-        for _ in range(RELAY_ATTEMPTS):
+        for attempt in range(1, RELAY_ATTEMPTS + 1):
             handle = self.answerers.options(stream=True, **({"multiplexed_model_id": name} if name else {}))
             messages = handle.relay.remote(request.method, request.url.path, list(request.headers.raw), body)
             try:
@@ -155,8 +155,8 @@ class Router:
                                    kind="rate_limit_error") from None
             except Exception as error:  # the replica died or could not be reached: nothing was answered yet
                 failure = error
-                print(f"snapkv router: a replica failed before answering ({type(error).__name__}); sending the "
-                      "request again", file=sys.stderr, flush=True)
+                print(f"snapkv router: a replica failed before answering ({type(error).__name__}; try {attempt} of "
+                      f"{RELAY_ATTEMPTS})", file=sys.stderr, flush=True)
         raise RequestError(f"no replica could answer ({type(failure).__name__}); try again shortly", status=503,
                            code="unavailable", kind="server_error")
 
