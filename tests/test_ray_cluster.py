@@ -315,3 +315,14 @@ def test_a_request_whose_replica_dies_before_answering_is_sent_again_and_a_full_
     status, said = _route(_FlakyAnswerers(failures=1, error=BackPressureError(num_queued_requests=8,
                                                                                 max_queued_requests=8)), body)
     assert status == 429 and json.loads(said)["error"]["code"] == "queue_full"
+
+
+def test_replicas_are_counted_or_autoscaled_take_one_request_each_and_reserve_what_they_are_given():
+    settings = ReplicaSettings(None, "auto", "auto", None, None, 8, None, False)
+    fixed = application(settings, 3, 2.0, 0.0)._bound_deployment.init_args[0]._bound_deployment
+    assert fixed.num_replicas == 3 and fixed.max_ongoing_requests == 1 and fixed.max_queued_requests == 24
+    assert fixed.ray_actor_options == {"num_cpus": 2.0, "num_gpus": 0.0}
+    scaled = application(settings, (1, 4), 1.0, 1.0)._bound_deployment.init_args[0]._bound_deployment
+    bounds = scaled._deployment_config.autoscaling_config  # Deployment shows no public property for it
+    assert (bounds.min_replicas, bounds.max_replicas) == (1, 4) and scaled.max_queued_requests == 32
+    assert scaled.ray_actor_options["num_gpus"] == 1.0

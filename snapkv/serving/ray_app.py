@@ -73,9 +73,12 @@ class Answerer:
         from snapkv.serving.openai_app import OpenAIApp
         from snapkv.storage.remote import open_store
 
-        service = ChatService(load_model(settings.model, settings.device, settings.dtype), DEFAULTS,
-                              open_store(settings.store), truncate=settings.truncate, cite=settings.cite,
-                              kept_in_memory=HELD_PER_REPLICA)
+        loaded = load_model(settings.model, settings.device, settings.dtype)
+        # A GPU keeps one document's cache loaded (a long one's takes gigabytes); the others it is routed stay in
+        # this machine's store (the shared store's local copy), read back without fetching
+        kept = 1 if loaded.device.type == "cuda" else HELD_PER_REPLICA
+        service = ChatService(loaded, DEFAULTS, open_store(settings.store), truncate=settings.truncate,
+                              cite=settings.cite, kept_in_memory=kept)
         self.app = OpenAIApp(service, api_key=settings.api_key, queue=settings.queue)
         self.replica = serve.get_replica_context().replica_id.unique_id
 
