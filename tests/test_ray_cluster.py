@@ -147,6 +147,7 @@ def test_a_replica_killed_between_two_questions_loses_no_request(cluster, single
             replaced = fresh.pop()
         time.sleep(1)
     assert replaced is not None, f"the killed replica was not replaced: {serve.status().applications[APP]}"
+    time.sleep(2)  # the router hears of the new replica from Serve's controller (pushed, within milliseconds)
     text, cached, answered_by, details = _ask(cluster, "delta", QUESTIONS["delta"][0])
     assert answered_by == replaced and cached == 0 and text == single_process("delta", QUESTIONS["delta"][0])[0]
 
