@@ -152,6 +152,29 @@ def test_a_replica_killed_between_two_questions_loses_no_request(cluster, single
     assert answered_by == replaced and cached == 0 and text == single_process("delta", QUESTIONS["delta"][0])[0]
 
 
+def test_a_client_that_closes_its_stream_stops_the_answer_on_its_replica(cluster):
+    messages = _messages("wick", "Count from 1 to 300, writing every number in words, separated by commas.")
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key=KEY, max_retries=0, timeout=240)
+    raw = client.chat.completions.with_raw_response.create(model="snapkv", messages=messages, max_tokens=400,
+                                                             stream=True)
+    stream = raw.parse()
+    for count, _ in enumerate(stream, 1):
+        if count == 4:  # the role, then three pieces of text
+            break
+    stream.close()
+    replica = raw.headers[REPLICA_HEADER]
+    name = document_name(json.dumps({"model": "snapkv", "messages": messages}).encode())
+    answerers = serve.get_deployment_handle("Answerer", APP).options(multiplexed_model_id=name)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # asked of the replica holding the document: the one that answered
+        stats = answerers.stats.remote().result()
+        if stats["replica"] == replica and stats["in_flight"] == 0:
+            break
+        time.sleep(0.25)
+    assert stats["replica"] == replica and stats["in_flight"] == 0, stats
+    assert stats["cancelled"] == 1 and 3 <= stats["last_tokens"] < 100, stats  # stopped, not 400 tokens on
+
+
 def test_the_router_checks_the_key_and_bounds_the_body_before_any_replica(cluster):
     client = openai.OpenAI(base_url=cluster + "/v1", api_key="wrong", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError):

@@ -82,6 +82,11 @@ class Answerer:
         self.app = OpenAIApp(service, api_key=settings.api_key, queue=settings.queue)
         self.replica = serve.get_replica_context().replica_id.unique_id
 
+    def stats(self) -> dict:
+        """This replica's counts, as its /health says them."""
+        return {"replica": self.replica, "in_flight": self.app.in_flight, "answered": self.app.answered,
+                "cancelled": self.app.cancelled, "last_tokens": self.app.last_tokens}
+
     @serve.multiplexed(max_num_models_per_replica=HELD_PER_REPLICA)
     async def hold(self, name: str) -> str:
         """Marks a document as held here, so that Serve routes its follow-ups to this replica (the cache itself is
