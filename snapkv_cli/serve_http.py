@@ -34,7 +34,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _bound_socket(host: str, port: int) -> socket.socket:
+def checked_address(address: str, api_key: str | None) -> tuple[str, int]:
+    """(host, port) of an --http address; ConfigError for a bad one, or for one beyond loopback without a key."""
+    host, port = parse_address(address)
+    if not is_loopback(host) and not api_key:
+        raise ConfigError(f"--http {address} listens beyond this machine: give --api-key KEY (or set "
+                          "SNAPKV_API_KEY) so that only clients that send the key are answered")
+    return host, port
+
+
+def api_url(host: str, port: int) -> str:
+    """The API's base URL as a client writes it."""
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
     """A listening socket on host:port; ConfigError where it cannot be had (in use, no such address)."""
     try:
         family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -55,20 +69,17 @@ def serve_http(address: str, api_key: str | None, queue: int, model: str | None,
 
     err = stderr_console()
     try:
-        host, port = parse_address(address)
+        host, port = checked_address(address, api_key)
         from snapkv.storage.remote import open_store
 
         shared = open_store(store)  # a URL fsspec cannot open is said before the model loads
-        if not is_loopback(host) and not api_key:
-            raise ConfigError(f"--http {address} listens beyond this machine: give --api-key KEY (or set "
-                              "SNAPKV_API_KEY) so that only clients that send the key are answered")
         try:
             import uvicorn  # noqa: F401  (checked before the model loads)
 
             from snapkv.serving.openai_app import OpenAIApp
         except ImportError as error:
             raise ConfigError(f"snapkv serve --http needs {error.name}: pip install starlette uvicorn") from None
-        listener = _bound_socket(host, port)
+        listener = bound_socket(host, port)
     except ConfigError as error:
         err.print(f"snapkv: error: {error}", markup=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -79,8 +90,7 @@ def serve_http(address: str, api_key: str | None, queue: int, model: str | None,
 
     loaded, _ = load_with_status(err, model, device, dtype)
     app = OpenAIApp(ChatService(loaded, DEFAULTS, shared, truncate=truncate, cite=cite), api_key=api_key, queue=queue)
-    shown = f"[{host}]" if ":" in host else host
-    print(f"snapkv: serving {loaded.name} at http://{shown}:{port}/v1 (OpenAI-compatible; "
+    print(f"snapkv: serving {loaded.name} at {api_url(host, port)} (OpenAI-compatible; "
           f"{'API key required' if api_key else 'no API key'}; Ctrl-C stops)", file=sys.stderr, flush=True)
     config = uvicorn.Config(app.asgi, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])

@@ -59,15 +59,12 @@ def serve_ray(address: str, replicas_text: str, replica_cpus: float | None, http
               store: str | None) -> None:
     """Start (or join) Ray, run the application, wait for Ctrl-C, then take it down."""
     from .consoles import stderr_console
-    from .serve_http import _bound_socket, is_loopback, parse_address
+    from .serve_http import api_url, bound_socket, checked_address
 
     err = stderr_console()
     try:
-        host, port = parse_address(http)
+        host, port = checked_address(http, api_key)
         replicas = parse_replicas(replicas_text)
-        if not is_loopback(host) and not api_key:
-            raise ConfigError(f"--http {http} listens beyond this machine: give --api-key KEY (or set "
-                              "SNAPKV_API_KEY) so that only clients that send the key are answered")
         try:
             import ray
             from ray import serve  # noqa: F401
@@ -79,7 +76,7 @@ def serve_ray(address: str, replicas_text: str, replica_cpus: float | None, http
         from snapkv.storage.remote import open_store
 
         open_store(store)  # a URL fsspec cannot open is said before anything starts
-        _bound_socket(host, port).close()  # a port in use is said now, not by a proxy failing later
+        bound_socket(host, port).close()  # a port in use is said now, not by a proxy failing later
         if address == LOCAL:
             from snapkv.engine.models import resolve_model_source
 
@@ -104,8 +101,7 @@ def serve_ray(address: str, replicas_text: str, replica_cpus: float | None, http
         err.print(f"snapkv: starting {replicas if isinstance(replicas, int) else '%d-%d' % replicas} replica(s), "
                   f"{cpus:g} CPU(s) and {gpus:g} GPU(s) each; each loads the model ...", markup=False)
         serve.run(ray_app.application(settings, replicas, cpus, gpus), name="snapkv", route_prefix="/")
-        shown = f"[{host}]" if ":" in host else host
-        print(f"snapkv: serving at http://{shown}:{port}/v1 on Ray Serve (OpenAI-compatible; "
+        print(f"snapkv: serving at {api_url(host, port)} on Ray Serve (OpenAI-compatible; "
               f"{'API key required' if api_key else 'no API key'}; Ctrl-C stops)", file=sys.stderr, flush=True)
         while True:
             time.sleep(1)
