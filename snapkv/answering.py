@@ -13,7 +13,7 @@ from pathlib import Path
 from snapkv.base.errors import ConfigError
 from snapkv.compression.config import DEFAULTS, Cut, SnapKVConfig, Tier, mode_of
 
-CUT_FIELDS = ("budget", "window", "kernel", "pooling", "method")
+CUT_FIELDS = ("budget", "window", "kernel", "pooling", "method", "whole_words")
 STORE_FIELDS = ("store_budget", "store_keep", "store_method", "store_bits")
 
 
@@ -33,7 +33,7 @@ def _same_tier(tier: Tier, requested: SnapKVConfig) -> bool:
 
 def _merged(base: Cut, requested: SnapKVConfig, explicit: frozenset[str]) -> Cut:
     """`base` with the explicitly given cut settings of `requested` on top."""
-    values = {"budget": base.budget, "window": base.window, "method": base.method.name}
+    values = {"budget": base.budget, "window": base.window, "method": base.method.name, "whole_words": base.whole_words}
     values.update({name: getattr(base.method, name) for name in ("kernel", "pooling") if hasattr(base.method, name)})
     values.update({name: getattr(requested, name) for name in CUT_FIELDS if name in explicit})
     return replace(DEFAULTS, **values, query_aware=True, store_budget=None).cut

@@ -83,6 +83,12 @@ class PreparedDocument:
     tier_seconds: float = 0.0        # of prefill_seconds, the part after the prefill: scoring, cut, rounding
     turns: int = 0                   # finished turns of a conversation appended to the cache (Session.with_turn)
     turn_tokens: int = 0             # the tokens of those turns (of `tokens`)
+    document_stored_bytes: int | None = None  # the document's own cache as stored, once turns are appended
+
+    @property
+    def stored_kv_bytes(self) -> int:
+        """The document's keys and values as stored (its file's bits), whatever turns were appended since."""
+        return self.document_stored_bytes if self.document_stored_bytes is not None else self.cache.stored_kv_bytes
 
     @property
     def tokens(self) -> int:
@@ -112,7 +118,10 @@ class PreparedDocument:
         return cache.kv_bytes * kept // max(cache.kept_tokens, 1)
 
     def answering_with(self, per_question: Cut | None) -> "PreparedDocument":
-        """The same cache, answered with another per-question cut (a budget above what is held cuts nothing)."""
+        """The same cache, answered with another per-question cut (a budget above what is held cuts nothing); a cut
+        given as a share of the document is sized for this one (Cut.sized_for)."""
+        if per_question is not None and per_question.keep is not None:
+            per_question = per_question.sized_for(self.cache.original_length, self.cache.document)
         return replace(self, per_question=per_question)
 
 
@@ -148,7 +157,7 @@ class AnswerStream:
 
     def __init__(self, loaded: LoadedModel, prepared: PreparedDocument, question: str, ids: torch.Tensor,
                  max_new_tokens: int, sampling: Sampling, stop_ids: frozenset[int], measure: bool,
-                 engine: str = "auto") -> None:
+                 engine: str = "auto", words: torch.Tensor | None = None) -> None:
         self._loaded = loaded
         self._prepared = prepared
         self.question = question
@@ -158,6 +167,7 @@ class AnswerStream:
         self._stop_ids = stop_ids
         self._measure = measure
         self._engine = engine
+        self._words = words  # (prompt positions,) word ids, for a cut that keeps words whole
         self.result: AnswerResult | None = None
         self.answer_ids: list[int] = []  # the answer's token ids as they are generated (stop tokens left out)
 
@@ -187,7 +197,7 @@ class AnswerStream:
                 started = time.perf_counter()  # after PeakMemory has handed memory back, when measuring
                 for token in answer(loaded.model, prepared.cache, self._ids, per_question=prepared.per_question,
                                     max_new_tokens=self._max_new_tokens, stop_ids=self._stop_ids,
-                                    sampling=self._sampling, engine=self._engine, used=used):
+                                    sampling=self._sampling, engine=self._engine, used=used, words=self._words):
                     if first_token_at is None:
                         if self._measure:
                             wait_for_device(loaded.device)
@@ -371,7 +381,8 @@ class Session:
         """Write the prepared cache to `path`; the file describes the cache and the cut it is answered with."""
         started = time.perf_counter()
         prepared.file_bytes = save_cache(path, prepared.cache, model=self.loaded.identity,
-                                         per_question=prepared.per_question, sources=prepared.document.sources)
+                                         per_question=prepared.per_question, sources=prepared.document.sources,
+                                         system=self.prompter.system)
         prepared.save_seconds = time.perf_counter() - started
         prepared.path = Path(path)
 
@@ -420,7 +431,7 @@ class Session:
                                 f"{self.loaded.context_length} {self.loaded.name} holds; start a new one (/clear, or "
                                 "ask without --continue)")
         return replace(prepared, cache=extended(self.loaded.model, prepared.cache, ids), turns=prepared.turns + 1,
-                       turn_tokens=prepared.turn_tokens + ids.shape[0])
+                       turn_tokens=prepared.turn_tokens + ids.shape[0], document_stored_bytes=prepared.stored_kv_bytes)
 
     def cite(self, prepared: PreparedDocument, stream: AnswerStream) -> list[Citation]:
         """The passages of the document `stream`'s finished answer drew on, best first (snapkv.citing), also set as
@@ -460,5 +471,8 @@ class Session:
                 )
             max_new_tokens = min(max_new_tokens, room)
         stop_ids = loaded.stop_ids if stop_at_end else frozenset()
+        per_question = prepared.per_question
+        words = (self.prompter.word_ids(prepared.cache.token_ids)
+                 if per_question is not None and per_question.whole_words else None)
         return AnswerStream(loaded, prepared, question, ids, max_new_tokens, sampling, stop_ids, measure,
-                            self.engine)
+                            self.engine, words)

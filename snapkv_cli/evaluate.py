@@ -169,9 +169,9 @@ def _fidelity_plot(result, path: Path) -> Path:
                                      (compression, result.compression, "16 bits cut per question vs the full cache")):
         names = [c.setting for c in comparisons]
         places = range(len(names))
-        axes.bar([p - 0.2 for p in places], [100 * c.agreement for c in comparisons], 0.4, label="first sentence identical %")
+        axes.bar([p - 0.2 for p in places], [100 * c.agreement for c in comparisons], 0.4, label="answers identical %")
         axes.bar([p + 0.2 for p in places], [100 * c.changed_share for c in comparisons], 0.4,
-                 label="answers with a changed number or name %")
+                 label="answers with a fact changed %")
         for place, comparison in zip(places, comparisons):
             if comparison.bytes_ratio and comparison.bytes_ratio != 1:
                 axes.annotate(f"{comparison.bytes_ratio:.1f}x smaller", (place, 101), ha="center", fontsize=8)
@@ -189,21 +189,27 @@ def _comparison_table(title: str, comparisons: list, with_bytes: bool):
     from rich.table import Table
 
     table = Table(title=title)
-    columns = ["setting", "asked", "same", "changed", "of right", "found", "ref found", "lost", "how changed"]
+    columns = ["setting", "asked", "same", "changed", "of right", "lost", "gained", "vs floor", "s/answer",
+               "how changed"]
     for column in columns + (["smaller"] if with_bytes else []):
         table.add_column(column, justify="left" if column in ("setting", "how changed") else "right",
                          overflow="fold")
     for c in comparisons:
         kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(c.kinds.items(), key=lambda item: -item[1])
                           if kind != "same")
+        floor = "-" if c.beyond_floor is None else (
+            f"{'beyond' if c.beyond_floor else 'within'} (p {min(c.p_changed_right, c.p_lost):.2g})")
         row = [c.setting, str(c.questions), f"{c.agreement:.1%}", f"{c.changed} ({c.changed_share:.1%})",
-               str(c.changed_right), str(c.found), str(c.reference_found), str(c.lost), kinds or "-"]
+               str(c.changed_right), str(c.lost), str(c.gained), floor, f"{c.seconds_per_answer:.2f}", kinds or "-"]
         table.add_row(*row, *([f"{c.bytes_ratio:.2f}x"] if with_bytes else []))
     return table
 
 
+FLOOR_DTYPES = ("bfloat16", "float32")  # a noise floor computed with the model in another dtype
+DEFAULT_CUT = f"{DEFAULTS.method}{'+words' if DEFAULTS.whole_words else ''}"  # the cut `ask` makes, as --cut-methods
+
 # The benchmark's own documents (snapkv/io/data/fidelity), as --help describes them; a test keeps this true.
-SHIPPED_DOCUMENTS = "17 documents shipped with snapkv, 1.5k-7k tokens, 431 questions"
+SHIPPED_DOCUMENTS = "19 documents shipped with snapkv, 1k-7.2k tokens, 491 questions"
 # The stored tiers compared by default: the whole prompt at every precision that measured well or is smaller.
 FIDELITY_TIERS = "16/8,16/4,16/3,8,8/4,4/3,3/2+20%@8/4"
 
@@ -212,12 +218,20 @@ FIDELITY_TIERS = "16/8,16/4,16/3,8,8/4,4/3,3/2+20%@8/4"
 def fidelity(
     tiers: str = typer.Option(
         FIDELITY_TIERS, help="Stored tiers to compare with the 16-bit cache (--store-bits values), "
-        "comma-separated; the default tier is always included."),
+        "comma-separated; the default tier is always included; 'none' for none."),
     budget: int = typer.Option(DEFAULTS.budget, parser=lambda v: v if isinstance(v, int) else parse_size(v, name="--budget"),
                                metavar="SIZE", help="Per-question budget the stored tiers are compared at."),
     budgets: str = typer.Option(
-        "", "--cut-budgets", help="Budgets at which the 16-bit cache's per-question cut is compared with the full "
-        "cache, comma-separated (default: --budget)."),
+        "", "--cut-budgets", help="Per-question cuts compared with the full cache: budgets, or shares of the prompt "
+        "such as 25%, comma-separated (default: --budget)."),
+    methods: str = typer.Option(DEFAULT_CUT, "--cut-methods", help="The per-question cut's methods, comma-separated: "
+                                "snapkv, chunks (whole chunks of 8 positions kept by their mean score); +words "
+                                "after either keeps words whole (snapkv+words)."),
+    kernels: str = typer.Option("", "--cut-kernels", help="Pooling widths the cuts are compared at, comma-separated "
+                                "(default: the default's)."),
+    floor: str = typer.Option("torch", help="The noise floor: the same 16-bit file answered again by another engine "
+                              "(torch, native, reference) or with the model in another dtype (bfloat16, float32), "
+                              "against the default's answers; every setting is judged against it. '' for none."),
     documents: Optional[Path] = typer.Option(
         None, "--documents", help="A folder of NAME.txt documents with NAME.json questions (default: the "
         f"{SHIPPED_DOCUMENTS})."),
@@ -229,31 +243,56 @@ def fidelity(
     dtype: DtypeOption = "auto",
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Write the results (every answer) as JSON here, updated after each document."),
+    more: bool = typer.Option(False, "--more", help="Only the settings asked for, not the full cache: answers to add to "
+                              "an earlier run's --output of the same documents (snapkv.measure.published.merged)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a bar chart PNG here."),
 ) -> None:
-    """Storage and compression fidelity: do answers keep their numbers and names?
+    """Storage and compression fidelity: do answers keep their facts?
 
-    Every question is answered greedily from the 16-bit cache cut per question to --budget (the reference), from
-    each stored tier with the same cut (storage fidelity: only what the file stores differs), and from the full
-    cache (compression fidelity: what the cut costs). Per question: the facts (numbers, capitalised names) of the
-    reference's first sentence that the other answer lacks or alters, whether the first sentences are identical,
-    and whether each side states the expected fact. Each tier is saved to a file and loaded back, and all of a
-    document's questions are asked of that file.
+    Every question is answered greedily (up to 64 tokens, compared whole) from the 16-bit cache cut per question to
+    --budget (the reference), from each stored tier with the same cut (storage fidelity: only what the file stores
+    differs), from the 16-bit cache at each --cut-budgets and --cut-methods, and from the full cache (compression
+    fidelity: what the cut costs). Per question: the facts (numbers in their order, capitalised names, lower-case
+    facts such as million, rose/fell, currencies) the other answer lacks, alters, adds or reorders; whether the
+    answers are identical; whether each states the expected fact. The noise floor (--floor) is the full cache
+    answered by a second computation; a setting that loses facts, or changes answers the reference had right,
+    more often than the floor by more than chance (Fisher's exact test, one-sided, p < 0.05) is marked beyond it.
+    Each tier is saved to a file and loaded back, and all of a document's questions are asked of that file.
     """
     from snapkv.base.atomic import write_atomically
-    from snapkv.measure.fidelity import load_documents, needle_documents, run_fidelity, settings_for
+    from snapkv.compression.config import DEFAULT_SYSTEM, ENGINE_CHOICES
+    from snapkv.compression.methods import METHODS
+    from snapkv.measure.fidelity import FULL, load_documents, needle_documents, parse_cut_sizes, run_fidelity, settings_for
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
     try:
-        tier_bits = [Bits.parse(text) for text in tiers.split(",") if text.strip()]
+        tier_bits = [] if tiers.strip().lower() == "none" else [Bits.parse(t) for t in tiers.split(",") if t.strip()]
     except ValueError as error:
         raise ConfigError(f"--tiers: {error}") from None
-    tier_bits = list(dict.fromkeys([*tier_bits, DEFAULTS.store_bits]))
+    if tier_bits:
+        tier_bits = list(dict.fromkeys([*tier_bits, DEFAULTS.store_bits]))
     tier_bits = [bits for bits in tier_bits if bits != 16]
-    cut_budgets = parse_sizes(budgets, name="--cut-budgets") if budgets.strip() else [budget]
+    try:
+        cut_sizes = parse_cut_sizes(budgets) if budgets.strip() else [(budget, None)]
+    except ValueError as error:
+        raise ConfigError(f"--cut-budgets: {error}") from None
+    if not cut_sizes:
+        raise ConfigError("--cut-budgets needs at least one budget or share")
+    cut_methods = [m.strip() for m in methods.split(",") if m.strip()] or [DEFAULT_CUT]
+    unknown = [m for m in cut_methods if m.removesuffix("+words") not in METHODS
+               or not METHODS[m.removesuffix("+words")].scores_during_prefill]
+    if unknown:
+        raise ConfigError(f"--cut-methods: {', '.join(unknown)} cannot cut per question; use snapkv or chunks")
+    cut_kernels = parse_sizes(kernels, name="--cut-kernels") if kernels.strip() else None
+    if any(k % 2 == 0 for k in cut_kernels or []):
+        raise ConfigError("--cut-kernels are odd numbers")
+    floor = floor.strip().lower()
+    if floor and floor not in ENGINE_CHOICES + FLOOR_DTYPES:
+        raise ConfigError(f"--floor is one of {', '.join(ENGINE_CHOICES + FLOOR_DTYPES)}, or '' for none; "
+                          f"not {floor!r}")
     if documents is not None and not documents.is_dir():
         raise ConfigError(f"--documents: {documents} is not a folder")
     try:
@@ -266,6 +305,11 @@ def fidelity(
         raise ConfigError("--needle-depths are percentages from 0 to 100")
     err = stderr_console()
     loaded, _ = load_with_status(err, model, device, dtype)
+    models = {}
+    if floor in FLOOR_DTYPES:
+        if str(loaded.dtype).removeprefix("torch.") == floor:
+            raise ConfigError(f"--floor {floor} is the dtype the answers are computed in already; give --dtype")
+        models[floor], _ = load_with_status(err, model, device, floor)
     chosen += needle_documents(loaded.tokenizer, lengths, depths)
     partial = {"documents": []}
 
@@ -276,12 +320,14 @@ def fidelity(
             write_atomically(output, lambda temp: temp.write_text(text, encoding="utf-8"), "the results")
 
     questions = sum(len(d.questions) for d in chosen)
-    settings = settings_for(tier_bits, budget, cut_budgets)
+    settings = settings_for(tier_bits, budget, cut_sizes, cut_methods, floor, cut_kernels)
+    if more:
+        settings = [s for s in settings if s != FULL]
     err.print(f"{len(chosen)} documents, {questions} questions, {len(settings)} settings: "
               f"{', '.join(s.name for s in settings)}", markup=False, soft_wrap=True)
     with working(err, "Evaluating...") as update:
-        result = run_fidelity(loaded, chosen, tier_bits, budget, cut_budgets, on_progress=update,
-                              on_document=keep)
+        result = run_fidelity(loaded, chosen, tier_bits, budget, on_progress=update, on_document=keep,
+                              settings=settings, system=DEFAULT_SYSTEM, models=models)
     data = result.to_dict()
     if output is not None:
         text = json.dumps(data, indent=1)
@@ -291,10 +337,14 @@ def fidelity(
         sys.stdout.write(json.dumps(data) + "\n")
     else:
         out = stdout_console()
-        out.print(_comparison_table(f"storage fidelity: each tier against 16 bits, cut to {budget} per question "
-                                    f"({loaded.name}, {data['dtype']})", result.storage, with_bytes=True))
+        if result.floor is not None:
+            out.print(_comparison_table(f"noise floor: the full cache answered in {floor} against the default's",
+                                        [result.floor], with_bytes=False))
+        if result.storage:
+            out.print(_comparison_table(f"storage fidelity: each tier against 16 bits, cut to {budget} per question "
+                                        f"({loaded.name}, {data['dtype']})", result.storage, with_bytes=True))
         out.print(_comparison_table("compression fidelity: 16 bits cut per question against the full cache",
                                     result.compression, with_bytes=False))
-        err.print(f"{questions} questions in {result.seconds / 60:.1f} min", markup=False)
+        err.print(f"{questions} questions in {result.seconds / 60:.1f} min on {result.cpu}", markup=False)
     if written:
         err.print(f"wrote {written}", markup=False, soft_wrap=True)

@@ -17,11 +17,12 @@ def describe(path: Path) -> dict:
     from dataclasses import asdict
 
     from snapkv.storage.cacheinfo import describe_file
-    from snapkv.storage.measured import fidelity_of
+    from snapkv.storage.measured import measured_for
 
     described = describe_file(path)
     metadata = described.metadata
-    measured = fidelity_of(metadata.get("storage", {}).get("bits", 16))
+    measured = measured_for(metadata.get("model", {}).get("name", ""), metadata.get("storage", {}).get("bits", 16),
+                            metadata.get("per_question"), metadata.get("system_sha256"))
     return {
         **metadata,
         "path": str(path),
@@ -32,7 +33,8 @@ def describe(path: Path) -> dict:
         "bytes_per_layer": described.layer_bytes,
         "held": described.tier.describe(),
         "answered_with": described.per_question.describe() if described.per_question else "the cache as it is",
-        "fidelity": asdict(measured) if measured else None,   # what `snapkv eval fidelity` measured for its tier
+        # what `snapkv eval fidelity` measured for its model, bits, budget and system message ([]: not measured)
+        "fidelity": [asdict(entry) for entry in measured],
     }
 
 
@@ -79,15 +81,15 @@ def _bits_described(bits) -> str:
         return f"{bits} bits (unknown)"
 
 
-def _fidelity_described(bits, measured: dict | None) -> str:
-    """What `snapkv eval fidelity` measured for this file's stored bits (`measured`: describe()'s "fidelity")."""
-    from snapkv.storage.measured import Fidelity
+def _fidelity_described(data: dict) -> str:
+    """What `snapkv eval fidelity` measured for this file's own settings (describe()'s "fidelity"), or that it was not."""
+    from snapkv.storage.measured import Measured
 
-    if str(bits) == "16":
-        return "16 bits: the reference tier (every other tier is measured against it)"
-    if measured is None:
-        return f"{bits} bits: not measured (snapkv eval fidelity --tiers {bits})"
-    return f"measured for {bits} bits: {Fidelity(**measured).describe()} (README, What is saved)"
+    if not data["fidelity"]:
+        budget = (data.get("per_question") or {}).get("budget")
+        return (f"not measured for these settings ({data.get('model', {}).get('name')}, "
+                f"{data.get('storage', {}).get('bits', 16)} bits, budget {budget}, this system message)")
+    return "; ".join(Measured(**entry).describe() for entry in data["fidelity"])
 
 
 def _runs(values) -> list[tuple[int, int, object]]:
@@ -129,7 +131,7 @@ def show(data: dict, document: str | None = None) -> None:
     table.add_row("mode", inert(str(data.get("mode"))))
     table.add_row("holds", inert(data["held"]))
     table.add_row("answers", inert(f"per question: {data['answered_with']}"))
-    table.add_row("fidelity", inert(_fidelity_described(storage.get("bits", 16), data["fidelity"])))
+    table.add_row("fidelity", inert(_fidelity_described(data)))
     table.add_row("KV", f"{data['kv_bytes'] / 2**20:.1f} MiB stored, {data['kv_bytes_full'] / 2**20:.1f} MiB for the "
                         f"full cache in 16 bits ({data['kv_bytes_full'] / max(data['kv_bytes'], 1):.1f}x)")
     table.add_row("per layer", "; ".join(f"{_span(first, last)}: {kept} x {bits}, {size / 2**10:.0f} KiB"

@@ -27,8 +27,10 @@ BudgetOption = Annotated[int, typer.Option(
          "the budget is answered from all of it.")]
 WindowOption = Annotated[int, typer.Option(
     parser=size("--window"), metavar="SIZE", help="Observation window: how many final positions decide what is kept.")]
-KernelOption = Annotated[int, typer.Option(metavar="N", help="Width of the pooling over attention scores (odd); wider keeps whole numbers and names.")]
+KernelOption = Annotated[int, typer.Option(metavar="N", help="Width of the pooling over attention scores (odd).")]
 PoolingOption = Annotated[Literal["max", "avg"], typer.Option(help="Pooling of the scores.")]
+WholeWordsOption = Annotated[bool, typer.Option(
+    "--whole-words/--token-by-token", help="Cut keeps each word (number, code, name) whole, or ranks tokens.")]
 QueryAwareOption = Annotated[bool, typer.Option(
     "--query-aware/--no-query-aware",
     help="Save a stored tier and cut it to --budget per question, the question as the window; or compress once "
@@ -43,8 +45,7 @@ StoreKeepOption = Annotated[Optional[float], typer.Option(
     help="Query-aware: the share of the document's positions the saved file keeps, chosen by --store-method. "
          "Default: all of them.")]
 StoreMethodOption = Annotated[Literal["reconstruction", "snapkv", "pseudo-question", "key-norm"], typer.Option(
-    help="How the saved tier's positions are chosen when --store-keep or --store-budget drops some: a generic "
-         "question as the window, the positions needed to repeat the document, the tail, or the smallest keys.")]
+    help="How the saved tier's positions are chosen when --store-keep or --store-budget drops some.")]
 def _bits(value):
     """A parser for --store-bits: 8, KEYS/VALUES as 4/3, or REST+SHARE%@SHARP as 3/2+20%@8/4."""
     try:
@@ -92,6 +93,7 @@ SETTINGS_OPTIONS = {
     "window": (WindowOption, DEFAULTS.window),
     "kernel": (KernelOption, DEFAULTS.kernel),
     "pooling": (PoolingOption, DEFAULTS.pooling),
+    "whole_words": (WholeWordsOption, DEFAULTS.whole_words),
     "query_aware": (QueryAwareOption, DEFAULTS.query_aware),
     "store_keep": (StoreKeepOption, DEFAULTS.store_keep),
     "store_method": (StoreMethodOption, DEFAULTS.store_method),
@@ -136,8 +138,8 @@ def settings_from(budget: int = DEFAULTS.budget, window: int = DEFAULTS.window, 
                   pooling: str = DEFAULTS.pooling, query_aware: bool = DEFAULTS.query_aware,
                   no_compress: bool = False, store_budget: int | None = None,
                   store_keep: float | None = DEFAULTS.store_keep, store_method: str = DEFAULTS.store_method,
-                  store_bits: Bits = DEFAULTS.store_bits,
-                  prefill_chunk: int | None = None) -> SnapKVConfig | None:
+                  store_bits: Bits = DEFAULTS.store_bits, prefill_chunk: int | None = None,
+                  whole_words: bool = DEFAULTS.whole_words) -> SnapKVConfig | None:
     """The settings a command line asks for; None for --no-compress (the full cache)."""
     if no_compress:
         return None
@@ -145,7 +147,7 @@ def settings_from(budget: int = DEFAULTS.budget, window: int = DEFAULTS.window, 
         store_keep = None  # positions per head instead of the default share
     return SnapKVConfig(budget=budget, window=window, kernel=kernel, pooling=pooling, query_aware=query_aware,
                         store_budget=store_budget, store_keep=store_keep, store_method=store_method,
-                        store_bits=store_bits, prefill_chunk=prefill_chunk)
+                        store_bits=store_bits, prefill_chunk=prefill_chunk, whole_words=whole_words)
 
 
 def explicit_settings(ctx: typer.Context) -> frozenset[str]:

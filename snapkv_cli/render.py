@@ -160,6 +160,7 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
         "answers": [
             {"question": a.question, "answer": a.text, "new_tokens": a.new_tokens, "finish_reason": a.finish_reason,
              "ttft_seconds": round(a.ttft_seconds, 4), "decode_tokens_per_second": round(a.decode_tokens_per_second, 2),
+             "kv_read_bytes": a.kv_bytes,  # the keys and values each of its tokens read: the cut, the turns
              "engine": a.engine.as_json(),
              **({} if a.citations is None else {"citations": [c.to_dict() for c in a.citations],
                                                 "cite_seconds": round(a.cite_seconds, 4)})}
@@ -183,9 +184,10 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
             "kept_tokens": prepared.kept_per_question,
             "stored_tokens": cache.kept_tokens,
             "kv_bytes": cache.kv_bytes,
-            "stored_kv_bytes": cache.stored_kv_bytes,
+            "stored_kv_bytes": prepared.stored_kv_bytes,       # the document's, as its file holds them
             "kv_bytes_full": cache.full_kv_bytes(),            # in the compute dtype, as kv_bytes
-            "kv_bytes_full_16bit": cache.full_kv_bytes(2),     # as a 16-bit file holds it
+            # the document's full cache (its turns left out) as a 16-bit file would hold it
+            "kv_bytes_full_16bit": cache.full_kv_bytes(2) * (prepared.tokens - prepared.turn_tokens) // prepared.tokens,
             "kv_dtype": str(cache.compute_dtype).replace("torch.", ""),
         },
         "cache": {"path": os.path.abspath(prepared.path) if prepared.path else None, "hit": prepared.hit,
@@ -215,17 +217,25 @@ def stats_table(data: dict) -> Table:
     sources = [source["name"] for source in data["document"]["sources"]]
     table.add_row("document", f"{data['document']['tokens']} tokens"
                               + (f" from {source_names(sources)}" if sources else ""))
-    ratio = data["document"]["tokens"] / max(comp["kept_tokens"], 1)
+    document_tokens = data["document"]["tokens"]
+    conversation = data.get("conversation") or {"turns": 0, "tokens": 0}
+    held = document_tokens + conversation["tokens"]  # what an answer may read: the document, then the turns
+    of_what = (f"the document's {document_tokens} tokens and the conversation's {conversation['turns']} turns "
+               f"({conversation['tokens']} tokens)" if conversation["turns"] else f"the document's {document_tokens}")
     if comp["mode"] == "full":
-        table.add_row("kept", "everything (full cache)")
-    elif comp["kept_tokens"] >= data["document"]["tokens"]:
-        table.add_row("kept", f"everything: the {data['document']['tokens']}-token prompt fits the budget "
-                              f"({comp['mode']})")
+        table.add_row("kept", f"everything (full cache): {of_what}")
+    elif comp["kept_tokens"] >= held:
+        table.add_row("kept", f"everything: {of_what} fit the budget ({comp['mode']})")
     else:
-        table.add_row("kept", f"{comp['kept_tokens']} per head per layer ({ratio:.1f}x fewer, {comp['mode']})")
-    table.add_row("KV memory", f"{_mib(comp['kv_bytes'])} in memory ({DTYPE_NAMES.get(comp['kv_dtype'], comp['kv_dtype'])}), "
-                               f"{_mib(comp['stored_kv_bytes'])} stored; the full cache {_mib(comp['kv_bytes_full_16bit'])} "
-                               f"at 16 bits")
+        table.add_row("kept", f"{comp['kept_tokens']} per head per layer, {held / comp['kept_tokens']:.1f}x fewer than "
+                              f"{of_what} ({comp['mode']})")
+    dtype = DTYPE_NAMES.get(comp["kv_dtype"], comp["kv_dtype"])
+    read = [answer["kv_read_bytes"] for answer in data["answers"] if answer.get("kv_read_bytes")]
+    if read:
+        table.add_row("KV read", f"{_mib(read[-1])} per answer token ({dtype}), what the last answer decoded against")
+    bits = comp["stored_tier"].get("bits", 16)
+    table.add_row("stored", f"{_mib(comp['stored_kv_bytes'])} of keys and values ({bits}-bit) for the document; its "
+                            f"full cache {_mib(comp['kv_bytes_full_16bit'])} at 16 bits")
     if cache["hit"]:
         table.add_row("cache", f"hit, loaded in {cache['load_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     else:

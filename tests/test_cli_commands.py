@@ -2,16 +2,15 @@
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from dataclasses import asdict
 
 from snapkv.storage.cachefile import read_metadata
 from snapkv.compression.config import DEFAULTS
-from snapkv.storage.measured import fidelity_of
 from snapkv.base.errors import ConfigError, DocumentError
 from snapkv_cli.app import app
 from snapkv_cli.render import inert
@@ -29,6 +28,24 @@ def test_inert_text():
 
 
 @pytest.mark.slow
+def test_info_shows_what_was_measured_for_a_default_file(home, tmp_path):
+    """A file made with the defaults: `info` shows the figures `snapkv eval fidelity` measured for its own model, bits,
+    cut and system message (its stored bits against 16 bits, its cut against the full cache), not another's."""
+    output = tmp_path / "report.snapkv"
+    assert invoke("compress", str(SAMPLE), "--output", str(output)).exit_code == 0
+    described = json.loads(invoke("info", str(output), "--json").stdout)
+    kinds = {entry["kind"]: entry for entry in described["fidelity"]}
+    assert "compression" in kinds and set(kinds) <= {"storage", "compression"}
+    assert kinds.get("storage", {"bits": str(DEFAULTS.store_bits)})["bits"] == str(DEFAULTS.store_bits)
+    for entry in kinds.values():
+        assert (entry["budget"], entry["method"], entry["whole_words"]) == (
+            DEFAULTS.budget, DEFAULTS.method, DEFAULTS.whole_words)
+        assert entry["model"] == "SmolLM2-135M-Instruct" and entry["system_sha256"] == described["system_sha256"]
+    human = " ".join(invoke("info", str(output)).stdout.split())
+    assert f"the cut to {DEFAULTS.budget}, whole words against the full cache" in human
+
+
+@pytest.mark.slow
 def test_compress_info_and_cache_commands(home, tmp_path):
     output = tmp_path / "report.snapkv"
     result = invoke("compress", str(SAMPLE), "--output", str(output), "--budget", "256", "--no-query-aware")
@@ -40,10 +57,10 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     assert described["sources"][0]["name"] == str(SAMPLE)
     human = invoke("info", str(output))
     assert "SmolLM2-135M-Instruct" in human.stdout and "document-window" in human.stdout
-    # the file's tier (the default bits) with what `snapkv eval fidelity` measured for it
+    # no figures were measured for a document-window cut to 256: said so, none borrowed from other settings
     assert described["storage"]["bits"] == str(DEFAULTS.store_bits)
-    assert described["fidelity"] == asdict(fidelity_of(DEFAULTS.store_bits)) and described["fidelity"]["lost"] == 0
-    assert f"measured for {DEFAULTS.store_bits} bits" in " ".join(human.stdout.split())
+    assert described["fidelity"] == [] and len(described["system_sha256"]) == 64
+    assert "not measured for these settings" in " ".join(human.stdout.split())
     # the store: one entry from an ask, listed, removed; clear
     invoke("ask", str(SAMPLE), REVENUE, "--json", "--budget", "256")
     entries = json.loads(invoke("cache", "list", "--json").stdout)
@@ -153,6 +170,25 @@ def test_repl_through_stdin(home, tmp_path):
 
 
 @pytest.mark.slow
+def test_repl_stats_after_turns_say_what_the_answer_read_and_what_the_file_holds(home, tmp_path):
+    """Three turns, then /set budget 256: /stats tells the cut over the document and the turns, what the last answer
+    read per token, and what the file stores for the document, each once (not the working copy's size as stored)."""
+    script = "\n".join([REVENUE, "/stats", "What is the net debt?", "Who chairs the board?", "/set budget 256",
+                        "How many staff are there?", "/stats", "/exit"]) + "\n"
+    result = invoke("repl", str(SAMPLE), "--max-new-tokens", "12", input=script)
+    assert result.exit_code == 0, result.output
+    # the two /stats, then the table the REPL prints at its end
+    first, last = [" ".join(part.split("peak memory")[0].split()) for part in result.stderr.split("document     ")[1:3]]
+    assert "kept 256 per head per layer" in last and "the conversation's 3 turns" in last
+    assert "KV read" in last and "what the last answer decoded against" in last
+    stored = re.search(r"stored (\S+) MiB of keys and values \(16/8-bit\) for the document", last)
+    assert stored and stored.group(0) in first  # the file's, as before the turns: not the working copy's
+    read = float(re.search(r"KV read (\S+) MiB per answer token", last).group(1))
+    assert read < float(stored.group(1))  # 256 positions and the question, against the whole document in the file
+    assert last.count("MiB") == 4  # KV read, stored (the document and its full cache), the cache file: each once
+
+
+@pytest.mark.slow
 def test_repl_stats_of_the_last_answer_load_clear_and_the_log(home, tmp_path, monkeypatch):
     """/stats tells of the last answer (not of a budget set since), /save leaves how the cache was obtained as it
     was, /load answers from another file, /clear forgets the answers; each answer is logged with absolute paths."""
@@ -163,7 +199,7 @@ def test_repl_stats_of_the_last_answer_load_clear_and_the_log(home, tmp_path, mo
                         "What is the net debt?", "/stats", "/clear", "/stats", "/exit"]) + "\n"
     result = invoke("repl", str(SAMPLE), "--max-new-tokens", "24", input=script)
     assert result.exit_code == 0, result.output
-    labels = ("kept", "KV memory", "prefill", "cache", "answer", "peak memory", " ")
+    labels = ("kept", "KV read", "stored", "prefill", "cache", "answer", "peak memory", " ")
     tables = ["\n".join(itertools.takewhile(lambda line: line.startswith(labels), part.splitlines()[1:]))
               for part in result.stderr.split("document     ")[1:]]  # the rows of each /stats
     assert len(tables) == 4

@@ -11,6 +11,7 @@ from snapkv.base.bits import Bits
 from snapkv.storage.cachefile import load_cache, save_cache
 from snapkv.compression.compress import CompressionPlan
 from snapkv.compression.config import Cut
+from snapkv.compression.methods import Chunks, SnapKV
 from snapkv.engine.generation import answer, prefill
 from snapkv.storage.quantize import quantize_mixed, stored_schemes
 
@@ -53,14 +54,16 @@ def coded_calls(monkeypatch) -> list[bool]:
     return taken
 
 
-@pytest.mark.parametrize("bits, window", [
-    (Bits(3, 2, share=0.2, sharp=(8, 4)), QUESTION),  # the default: two parts, keys 8 unrotated
-    (Bits(3, 2, share=0.2, sharp=(8, 4)), QUESTION - 3),  # a window shorter than the question: its first rows are scored
-    (Bits(4, 3), QUESTION),  # one part, every key and value rotated
-    (Bits(8), QUESTION)])  # one part, nothing rotated (the values' sum in their own basis)
+@pytest.mark.parametrize("bits, window, method", [
+    (Bits(3, 2, share=0.2, sharp=(8, 4)), QUESTION, SnapKV()),  # two parts, keys 8 unrotated
+    (Bits(3, 2, share=0.2, sharp=(8, 4)), QUESTION - 3, SnapKV()),  # a window shorter than the question: its first rows
+    (Bits(4, 3), QUESTION, SnapKV()),  # one part, every key and value rotated
+    (Bits(8), QUESTION, SnapKV()),  # one part, nothing rotated (the values' sum in their own basis)
+    (Bits(8), QUESTION, Chunks(size=8)),  # whole chunks kept, from the codes
+    (Bits(4, 3), QUESTION, "words")])  # whole words kept (random words of 1-5 tokens), from the codes
 @pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),
                                    dict(num_attention_heads=2, num_key_value_heads=2)])
-def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, heads, tmp_path, monkeypatch):
+def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, method, heads, tmp_path, monkeypatch):
     """The same question over the same deferred cache, its attention and cut from the codes and from the layer
     restored whole: logits within fp32 rounding, the same positions kept, the kept stored rows the same to the bit
     (restored as the whole layer's restore gives them) and the question's own rows within rounding (computed from
@@ -76,7 +79,13 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, heads
             monkeypatch.setattr(coded_attention, "attend_and_cut", lambda *a: None)
             monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
         working = cache.to_dynamic_cache(model.config, into_room=True)
-        plan = CompressionPlan(Cut(64, 8), window=window)
+        if method == "words":
+            plan = CompressionPlan(Cut(64, 8, SnapKV(), whole_words=True), window=window)
+            words = torch.repeat_interleave(torch.arange(PROMPT), torch.randint(1, 6, (PROMPT,),
+                                            generator=torch.Generator().manual_seed(5)))[:PROMPT]
+            plan.words = [words.expand(heads["num_key_value_heads"], -1)] * len(model.model.layers)
+        else:
+            plan = CompressionPlan(Cut(64, 8, method), window=window)
         logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers, from_codes=True)
         found[way] = (logits, plan.kept, [(layer.keys, layer.values) for layer in working.layers])
         monkeypatch.undo()

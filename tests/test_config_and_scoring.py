@@ -113,6 +113,54 @@ def test_group_mean_and_selection():
     assert torch.equal(gather_positions(states, kept)[0, 0, :, 0], kept[0, 0].float())
 
 
+def test_chunks_rank_as_one_and_are_kept_whole():
+    from snapkv.compression.methods import Chunks
+    from snapkv.compression.scoring import chunk_means
+
+    scores = torch.tensor([[[0.0, 9.0, 0.0, 1.0, 1.0, 1.0, 5.0]]])  # (1, 1 head, 7): chunks of 3: [0-2] [3-5] [6]
+    assert torch.allclose(chunk_means(scores, 3), torch.tensor([[[3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 5.0]]]))
+    assert torch.equal(chunk_means(scores, 1), scores)
+    # SnapKV keeps the single peak 9 and the 5; by chunks the whole chunk around the peak goes with it
+    kept = kept_indices(chunk_means(scores, 3), prefix_keep=4, window=1)
+    assert kept.tolist() == [[[0, 1, 2, 6, 7]]]
+    torch.manual_seed(1)
+    window = torch.rand(1, 2, 3, 4, 40).softmax(-1)  # (batch, kv_heads, group, w, n - w)
+    chunked = Chunks(size=8, kernel=3).score_weights(window)
+    assert chunked.shape == (1, 2, 40)
+    assert torch.equal(chunked, chunk_means(SnapKV(kernel=3).score_weights(window), 8))
+    assert method_from_dict(method_to_dict(Chunks(size=4))) == Chunks(size=4)
+    assert SnapKVConfig(method="chunks", kernel=7).cut.method == Chunks(kernel=7)
+    with pytest.raises(ConfigError, match="at least 1 position"):
+        Chunks(size=0)
+
+
+def test_whole_words_rank_as_their_best_token_and_are_kept_whole():
+    from snapkv.compression.scoring import word_maxima
+
+    scores = torch.tensor([[[0.1, 0.9, 0.2, 0.3, 0.0, 0.5]]])  # (1, 1 head, 6)
+    words = torch.tensor([[0, 0, 0, 1, 2, 2]])  # (1 head, 6): a three-token number, a word, a two-token name
+    assert torch.equal(word_maxima(scores, words), torch.tensor([[[0.9, 0.9, 0.9, 0.3, 0.5, 0.5]]]))
+    # per token the best three are 1, 5, 3 (the number cut to its second digit); by words: the number whole
+    assert kept_indices(scores, 3, 1).tolist() == [[[1, 3, 5, 6]]]
+    assert kept_indices(word_maxima(scores, words), 3, 1).tolist() == [[[0, 1, 2, 6]]]
+    torch.manual_seed(2)
+    for _ in range(20):  # random words of 1-6 tokens: every kept word whole, but for at most one per head
+        lengths = torch.randint(1, 7, (200,))
+        per_head = torch.repeat_interleave(torch.arange(200), lengths)[:200]  # (200,)
+        words = torch.stack([per_head, per_head + 1000])  # (2 heads, 200): ids need only ascend
+        kept = kept_indices(word_maxima(torch.rand(1, 2, 200), words), 50, 4)[0, :, :-4]  # (2, 50)
+        for head in range(2):
+            held = set(kept[head].tolist())
+            partial = [w for w in set(words[head, kept[head]].tolist())
+                       if not all(p in held for p in (words[head] == w).nonzero().flatten().tolist())]
+            assert len(partial) <= 1
+    cut = Cut(512, 16, SnapKV(), whole_words=True)
+    assert Cut.from_dict(cut.to_dict()) == cut and "whole words" in cut.describe()
+    assert "whole_words" not in Cut(512, 16).to_dict()  # files of a plain cut read as before
+    assert SnapKVConfig(whole_words=True).per_question.whole_words
+    assert not SnapKVConfig(whole_words=True, query_aware=False).stored_tier.whole_words  # a prefill has no words
+
+
 def test_a_prefill_in_chunks_is_a_snapkv_tier_that_says_so_and_survives_a_file():
     from snapkv.compression.config import Cut, SnapKVConfig
     from snapkv.engine.memory import estimate_prefill

@@ -28,6 +28,24 @@ def test_question_ends_in_the_assistant_turn(embedded):
         question_ids(tokenizer, "   ")
 
 
+def test_words_hold_whole_numbers_codes_and_names(embedded):
+    """Prompter.word_ids on the real tokenizer: a number, a code or a name of several tokens is one word."""
+    import torch
+
+    from snapkv.engine.prompting import Prompter
+
+    tokenizer = embedded.tokenizer
+    text = "The code is IRCS-2021-04817, the span 2,150 feet (1.84) by Dr Helka Raudsepp.\nNext"
+    ids = torch.tensor(tokenizer(text)["input_ids"])
+    words = Prompter(tokenizer).word_ids(ids)
+    assert words.shape == ids.shape and bool((words[1:] >= words[:-1]).all()) and int(words[0]) == 1
+    spelled = {}
+    for token, word in zip(ids.tolist(), words.tolist()):
+        spelled[word] = spelled.get(word, "") + tokenizer.decode([token])
+    assert [w.strip() for w in spelled.values()] == ["The", "code", "is", "IRCS-2021-04817,", "the", "span", "2,150",
+                                                     "feet", "(1.84)", "by", "Dr", "Helka", "Raudsepp.", "Next"]
+
+
 def test_read_text_html_and_folders(tmp_path):
     (tmp_path / "b.md").write_text("second", encoding="utf-8")
     (tmp_path / "a.txt").write_bytes("\ufefffirst".encode("utf-8"))

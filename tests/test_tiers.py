@@ -479,3 +479,44 @@ def test_masks_and_part_rows_read_the_same_in_c_as_in_numpy_and_torch(monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(found[True], found[False]))
     assert found[False][4][:57].tolist() == positions[0].tolist()  # head 0's sharper tokens, room after each head
     assert found[False][4][57:114].tolist() == (positions[1] + 208).tolist()
+
+
+def test_a_per_question_cut_as_a_share_is_sized_for_each_document(tiny_loaded):
+    from snapkv.compression.config import Cut
+    from snapkv.compression.methods import Chunks
+
+    session = Session(tiny_loaded, SnapKVConfig(budget=32, window=8))
+    for lines in (20, 60):
+        prepared = session.prepare(Document(" ".join(f"Line {i} of the ledger holds {i * 3}." for i in range(lines))))
+        document = prepared.cache.document
+        around = prepared.tokens - len(document)
+        shared = prepared.answering_with(Cut(None, 8, Chunks(size=4), keep=0.25))
+        assert shared.per_question.budget == around + round(0.25 * len(document))
+        assert shared.kept_per_question == shared.per_question.budget < prepared.tokens
+        stream = session.ask(shared, "What does line 3 hold?", max_new_tokens=4)
+        "".join(stream)
+        assert stream.result.new_tokens >= 1 and stream.result.kv_bytes < prepared.cache.kv_bytes  # decoded on the cut
+
+
+def test_a_cut_that_keeps_words_whole_sees_the_prompts_words(tiny_loaded, monkeypatch):
+    """With whole_words, every layer's per-question cut ranks words (word_maxima over the prompt's own word ids, the
+    question's tokens one word each); the file says so; without it, no layer does."""
+    from snapkv.compression import compress
+
+    seen = []
+    real = compress.word_maxima
+    monkeypatch.setattr(compress, "word_maxima", lambda scores, words: seen.append(words) or real(scores, words))
+    text = " ".join(f"Line {i} of the ledger holds {i * 3}.{i * 7}." for i in range(20))
+    for whole_words in (True, False):
+        seen.clear()
+        session = Session(tiny_loaded, SnapKVConfig(budget=32, window=8, whole_words=whole_words))
+        prepared = session.prepare(Document(text))
+        stream = session.ask(prepared, "What does line 3 hold?", max_new_tokens=3)
+        "".join(stream)
+        assert stream.result.new_tokens >= 1 and prepared.per_question.whole_words == whole_words
+        if not whole_words:
+            assert seen == []
+            continue
+        assert len(seen) == tiny_loaded.model.config.num_hidden_layers
+        prompt_words = session.prompter.word_ids(prepared.cache.token_ids)
+        assert torch.equal(seen[0][0], prompt_words)  # the stored positions' words, then the question's none

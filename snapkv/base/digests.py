@@ -23,6 +23,11 @@ MAX_DIGEST_LANES = 64  # the most a file may ask for
 Piece = tuple[bytes, "np.ndarray | None"]
 
 
+def text_digest(text: str) -> str:
+    """The sha256 hex digest of a text's UTF-8 bytes (a system message recorded in a file's metadata)."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def piece_header(name: str, dtype, shape) -> bytes:
     """What a digest covers of a tensor before its bytes: "name|dtype|shape|", the dtype as torch writes it
     ("torch.float16": a torch.dtype, or that text) and the shape as a tuple ("(2, 8)", "(60,)")."""

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from snapkv.compression.config import Cut
-from snapkv.compression.scoring import gather_positions, kept_indices
+from snapkv.compression.scoring import gather_positions, kept_indices, word_maxima
 from snapkv.modeling import cpu_attention
 from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
 
@@ -32,6 +32,20 @@ class CompressionPlan:
     # layer index -> (batch, kv_heads, kept) physical indices into the layer's cache before the cut;
     # layers that were not cut are absent.
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    # with cut.whole_words: per layer (kv_heads, held) the word id of each position the layer's cache held before
+    # the forward (snapkv.engine.prompting.Prompter.word_ids); None: words are not known, scores are per token
+    words: list[torch.Tensor] | None = None
+
+    def word_ids(self, layer_index: int, n: int) -> torch.Tensor | None:
+        """(kv_heads, n) word ids of a layer's first n positions (the forward's own new tokens one word each), or
+        None where this plan keeps no words whole."""
+        if not self.cut.whole_words or self.words is None:
+            return None
+        held = self.words[layer_index]  # (kv_heads, held)
+        if held.shape[1] >= n:
+            return held[:, :n]
+        fresh = held[:, -1:] + 1 + torch.arange(n - held.shape[1], device=held.device)  # (kv_heads, new)
+        return torch.cat([held, fresh.expand(held.shape[0], -1)], dim=1)
 
     @property
     def prefix_keep(self) -> int:
@@ -81,6 +95,9 @@ def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache,
             module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
         )
         scores = plan.cut.method.score(queries, keys, module.scaling)  # (batch, kv_heads, n - window)
+    words = plan.word_ids(module.layer_idx, n - window)
+    if words is not None:
+        scores = word_maxima(scores, words)
     indices = kept_indices(scores, plan.prefix_keep, window)
     layer.keys = gather_positions(keys, indices)
     layer.values = gather_positions(values, indices)

@@ -92,6 +92,45 @@ class SnapKV:
         raise ConfigError("snapkv scores during the prefill, with the prompt's tail as its window")
 
 
+@dataclass(frozen=True)
+class Chunks:
+    """Whole chunks kept or dropped together (ChunkKV, arXiv 2502.00299): SnapKV's pooled scores averaged over
+    fixed chunks of `size` positions (counted from the prompt's start), so a number, a name or a short phrase is
+    kept whole or not at all rather than losing a digit.
+
+    size:    positions per chunk (1: SnapKV itself).
+    kernel, pooling: SnapKV's pooling before the chunks are averaged.
+    """
+
+    name: ClassVar[str] = "chunks"
+    scores_during_prefill: ClassVar[bool] = True
+    size: int = 8
+    kernel: int = 15
+    pooling: Pooling = "max"
+
+    def __post_init__(self) -> None:
+        _check_pooling(self.kernel, self.pooling)
+        if self.size < 1:
+            raise ConfigError(f"a chunk holds at least 1 position, got {self.size}")
+
+    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+        from snapkv.compression.scoring import window_attention_weights
+
+        return self.score_weights(window_attention_weights(window_queries, keys, scaling))
+
+    def score_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights (batch, kv_heads, group, w, n - w) -> (batch, kv_heads, n - w): each position its chunk's mean."""
+        from snapkv.compression.scoring import chunk_means
+
+        return chunk_means(SnapKV(self.kernel, self.pooling).score_weights(weights), self.size)
+
+    def score_window_sums(self, sums: torch.Tensor) -> torch.Tensor:
+        return self.score_weights(sums.unsqueeze(-2))
+
+    def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
+        raise ConfigError("chunks scores during the prefill, with the prompt's tail as its window")
+
+
 def _check_pooling(kernel: int, pooling: str) -> None:
     if kernel < 1 or kernel % 2 == 0:
         raise ConfigError(f"kernel must be an odd number >= 1, got {kernel}")
@@ -198,7 +237,7 @@ class KeyNorm:
         return []
 
 
-METHODS: dict[str, type] = {method.name: method for method in (SnapKV, Reconstruction, PseudoQuestion, KeyNorm)}
+METHODS: dict[str, type] = {method.name: method for method in (SnapKV, Chunks, Reconstruction, PseudoQuestion, KeyNorm)}
 
 
 def method_to_dict(method: Method) -> dict:

@@ -72,6 +72,52 @@ def pool_scores(scores: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor
     return pooled.reshape(batch, heads, n)
 
 
+def chunk_means(scores: torch.Tensor, size: int) -> torch.Tensor:
+    """Each position's score replaced by the mean over its chunk of `size` positions (chunks from position 0; the
+    last one may be shorter), so that a chunk ranks as one.
+
+    scores: (batch, heads, n) -> (batch, heads, n)
+    """
+    if size == 1 or scores.shape[-1] == 0:
+        return scores
+    batch, heads, n = scores.shape
+    if _natively(scores) and scores.dtype == torch.float32:  # snapkv/native/kernels/window_cut.c, as the coded cut does
+        means = scores.contiguous().clone()
+        if native.kernels().chunk_means(native.pointer(means, torch.float32), batch * heads, n, size) == 0:
+            return means
+    chunks = -(-n // size)
+    padded = F.pad(scores, (0, chunks * size - n))  # (batch, heads, chunks * size), zeros after the end
+    counts = torch.full((chunks,), float(size), device=scores.device, dtype=scores.dtype)
+    counts[-1] = n - (chunks - 1) * size
+    means = padded.view(batch, heads, chunks, size).sum(dim=-1) / counts  # (batch, heads, chunks)
+    return means.repeat_interleave(size, dim=-1)[..., :n]
+
+
+def word_maxima(scores: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Each position's score replaced by the best score of its word, so that a word ranks as one (its tokens tie,
+    and top_positions keeps the earliest of tied positions first).
+
+    scores: (batch, heads, n); words: (heads, n) int64, a word id per position, equal ids for one word's positions
+    (ascending along the positions, as snapkv.engine.prompting.Prompter.word_ids gives them) -> (batch, heads, n)
+    """
+    batch, heads, n = scores.shape
+    if n == 0:
+        return scores
+    if _natively(scores) and scores.dtype == torch.float32 and words.dtype == torch.int64:  # window_cut.c, as the coded cut
+        maxima = scores.contiguous().clone()
+        spread = words.contiguous().expand(batch, heads, n).contiguous()  # (batch, heads, n)
+        if native.kernels().word_maxima(native.pointer(maxima, torch.float32), native.pointer(spread, torch.int64),
+                                        batch * heads, n) == 0:
+            return maxima
+    local = words - words[:, :1]  # (heads, n): from 0 in each head
+    width = int(local.max()) + 1
+    flat = (local + width * torch.arange(heads, device=words.device).view(heads, 1)).reshape(-1)  # (heads * n,)
+    flat = flat.to(scores.device).expand(batch, -1)  # (batch, heads * n)
+    best = torch.full((batch, heads * width), float("-inf"), dtype=scores.dtype, device=scores.device)
+    best.scatter_reduce_(1, flat, scores.reshape(batch, heads * n), reduce="amax")
+    return best.gather(1, flat).view(batch, heads, n)
+
+
 def mean_over_query_groups(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Average the scores of the query heads that share one KV head.
 

@@ -10,7 +10,7 @@ head), picks the best, and restores only those (the same bits as the whole layer
 agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same positions kept).
 
 Taken where everything fits (lean_decode.question_pass asked for it: the native engine's, snapkv.engine.engines): fp32 on a CPU
-with AVX-512 and snapkv's kernels; SnapKV's method; a layer the plan cuts, stored below 16 bits as one part or as a
+with AVX-512 and snapkv's kernels; SnapKV's method or its chunks; a layer the plan cuts, stored below 16 bits as one part or as a
 sharper share whose keys and values share their sharper positions; keys grouped along tokens and values along
 channels, in groups of a multiple of 16; every value part rotated alike; head_dim a multiple of 64 (up to 256).
 Anything else returns None, and the pass restores the layer as before.
@@ -22,7 +22,7 @@ import torch
 
 from snapkv import native
 from snapkv.compression.compress import CompressionPlan
-from snapkv.compression.methods import SnapKV
+from snapkv.compression.methods import Chunks, SnapKV
 from snapkv.storage.deferred import RestoringLayer
 from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Quantized
 
@@ -71,7 +71,7 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     does not apply (nothing is changed then). query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim):
     the question's rows after RoPE (query, key), fp32."""
     method = plan.cut.method
-    if (not isinstance(layer, RestoringLayer) or layer.restored or not isinstance(method, SnapKV)
+    if (not isinstance(layer, RestoringLayer) or layer.restored or not isinstance(method, (SnapKV, Chunks))
             or native.unavailable_reason() is not None):
         return None
     parts = _parts(layer.stored_keys, layer.stored_values)
@@ -98,12 +98,16 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         values.scheme.group)], ctypes.c_int64)
     sharp = layer.stored_keys.sharp.contiguous() if isinstance(layer.stored_keys, Mixed) else None  # (kv_heads, stored)
     fp32, own = torch.float32, (1, kv_heads, rows, head_dim)
+    words = plan.word_ids(module.layer_idx, stored + rows - window)  # (kv_heads, prefix) or None
+    words = None if words is None else words.contiguous()
     if native.kernels().attend_coded_and_cut(
             native.pointer(query, fp32, (1, heads, rows, head_dim)), kv_heads, group * rows, rows, module.scaling,
             head_dim, len(parts), pointers, shapes, (head_dim & -head_dim) if rotated else 0,
             int(parts[0][1].scheme.rotated), native.pointer(key, fp32, own), native.pointer(value, fp32, own),
             None if sharp is None else native.pointer(sharp, torch.bool, (kv_heads, stored)), method.kernel,
-            int(method.pooling == "max"), plan.prefix_keep, window, native.pointer(output, fp32),
+            int(method.pooling == "max"), getattr(method, "size", 1),
+            None if words is None else native.pointer(words, torch.int64), plan.prefix_keep, window,
+            native.pointer(output, fp32),
             native.pointer(indices, torch.int64), kept, native.pointer(kept_keys, fp32),
             native.pointer(kept_values, fp32), torch.get_num_threads()) != 0:
         return None  # a NaN score, or memory ran out: the restored path decides

@@ -160,6 +160,7 @@ def answer(
     sampling: Sampling = Sampling(),
     engine: str = "auto",
     used: EngineUse | None = None,
+    words: torch.Tensor | None = None,
 ) -> Iterator[int]:
     """Yield the answer's token ids, one at a time (stop tokens are not yielded).
 
@@ -169,6 +170,8 @@ def answer(
     cut to this budget before decoding. None: decode against the cache as it is.
     engine: which engine runs the question pass and the steps (snapkv.engine.engines: auto, native, torch, compiled,
     reference), each falling back to the next in its order where it does not apply; `used` is filled with what ran.
+    words: (original_length,) the word id of every prompt position (Prompter.word_ids), for a cut that keeps words
+    whole (Cut.whole_words); None: the cut ranks tokens one by one.
 
     `cache` is never modified: the forward passes work on a copy, so an interrupted answer, or any
     number of answers, leave it as it was.
@@ -179,6 +182,9 @@ def answer(
     plan = None
     if per_question is not None and cache.kept_tokens > per_question.prefix_keep:
         plan = CompressionPlan(per_question, window=q)
+        if per_question.whole_words and words is not None:
+            # per layer (kv_heads, kept): the word of each position it holds
+            plan.words = [words[held.cpu()] for held in cache.positions]
     engines = engine_order(engine)
     used = used if used is not None else EngineUse()
     used.kernels = native.variant() if device.type == "cpu" else None  # the C kernels run on CPU only

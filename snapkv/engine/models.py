@@ -137,6 +137,22 @@ def cpu_has_bf16_units() -> bool:
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def cpu_description() -> str:
+    """The CPU in a few words, for reports beside every figure: "AMD EPYC, 2 cores, AVX-512 with bf16"."""
+    import os
+
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        info = ""
+    names = [line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")]
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    vectors = ("AMX" if "amx_bf16" in flags else "AVX-512 with bf16" if "avx512_bf16" in flags
+               else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{names[0] if names else 'unknown CPU'}, {cores} cores, {vectors}"
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: bf16 on GPU; on CPU bf16 where the CPU has bf16 units (prefill measured 2.5x faster than
     fp32 there, see benchmarks/cpu_dtype.py), else fp32."""

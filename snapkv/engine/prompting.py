@@ -86,6 +86,10 @@ def _plain_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids if text else []
 
 
+# How a token's text marks a leading space or line break: byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) and SentencePiece
+WORD_START_MARKS = frozenset("Ġ▁Ċĉ")
+
+
 class Prompter:
     """One tokenizer's chat template with one system message, rendered and tokenized once, turning documents and
     questions into ids."""
@@ -94,12 +98,35 @@ class Prompter:
         template = PromptTemplate.for_tokenizer(tokenizer, system)
         self.tokenizer = tokenizer
         self.system = system
+        self._starts: torch.Tensor | None = None  # which tokens start a word (word_ids), made on first use
         self.head_ids = _template_ids(tokenizer, template.head)
         self.middle_ids = _template_ids(tokenizer, template.middle)
         self.tail_ids = _template_ids(tokenizer, template.tail)
         turn = TurnTemplate.for_tokenizer(tokenizer)
         self.after_answer_ids = _template_ids(tokenizer, turn.after_answer)
         self.follow_up_tail_ids = _template_ids(tokenizer, turn.tail)
+
+    def word_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """(n,) token ids -> (n,) int64 word ids, ascending: a token that starts with white space (or is a special
+        token) starts a new word, any other continues the one before, so that "2,150", "IRCS-2021-04817" or "1.84"
+        is one word however many tokens it takes (snapkv.compression.scoring.word_maxima)."""
+        starts = self._word_starts()[token_ids.cpu()]  # (n,) bool
+        if starts.numel():
+            starts[0] = True
+        return starts.long().cumsum(0)
+
+    def _word_starts(self) -> torch.Tensor:
+        """(vocabulary,) bool: which tokens start a word, from the tokens' own text (byte-level BPE's Ġ/Ċ, or
+        SentencePiece's ▁, for a leading space or line break), computed once."""
+        if self._starts is None:
+            tokenizer = self.tokenizer
+            size = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
+            pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
+            special = set(getattr(tokenizer, "all_special_ids", []) or [])
+            self._starts = torch.tensor([index in special or not piece or piece[0] in WORD_START_MARKS
+                                         or piece[0].isspace() for index, piece in enumerate(
+                                             p if isinstance(p, str) else "" for p in pieces)], dtype=torch.bool)
+        return self._starts
 
     @property
     def overhead(self) -> int:

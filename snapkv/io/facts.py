@@ -2,8 +2,9 @@
 
     first_sentence(text)            the answer's first sentence ("184.6." ends it, "184.6 m" does not)
     sentence_spans(text)            where each sentence of a text starts and ends (citations' passages)
-    facts_of(sentence)              its numbers (digit strings with their decimals) and capitalised names
-    compare(reference, other)       which of the reference's facts the other answer lacks or alters, and how
+    facts_of(text)                  its numbers (in order, signed, number words as digits), capitalised names and
+                                    lower-case facts (million, rose/fell, £, per cent)
+    compare(reference, other)       every fact the other answer lacks, alters, adds or reorders, and how
     fact_found(answer, expected)    whether an answer states the expected fact
 
 Used by snapkv.measure.fidelity to judge a stored tier's answers against the 16-bit cache's, and a cut's answers
@@ -22,12 +23,20 @@ _SENTENCE_ENDED = re.compile(r"[.!?]\s|\n")  # while an answer streams: the next
 _NUMBER = re.compile(r"\d+(?:[.,:]\d+)*")
 # A capitalised word (letters of any script, inner apostrophes and hyphens: O'Neill, Saint-Malo).
 _CAPITALISED = re.compile(r"\b[^\W\d_][\w'\-]*\b")
+# Number words, read as the digits they stand for: "three" and "3" are one fact, "three" and "four" two.
+_UNITS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+          "seventeen eighteen nineteen").split()
+_TENS = "twenty thirty forty fifty sixty seventy eighty ninety".split()
+_NUMBER_WORDS = {word: value for value, word in enumerate(_UNITS)}
+_NUMBER_WORDS.update({word: 10 * (index + 2) for index, word in enumerate(_TENS)})
+_NUMBER_WORD = re.compile(r"\b(" + "|".join(_TENS) + r")[- ](" + "|".join(_UNITS[1:10]) + r")\b|\b("
+                          + "|".join(sorted(_NUMBER_WORDS, key=len, reverse=True)) + r")\b", re.IGNORECASE)
 # Words that start sentences or are capitalised by habit, not names.
 _NOT_NAMES = frozenset(
     "a an the this that these those it its in on at of for from by to with as and or but if when where which who "
     "whom whose what why how there here they their them we our you your he she his her i yes no not "
     "according based during after before since until while also however therefore thus so then".split()
-)
+) | frozenset(_UNITS) | frozenset(_TENS)
 # An answer that declines: said instead of a fact.
 _REFUSAL = re.compile(
     r"\b(not (?:mentioned|stated|specified|provided|given|available|clear|known)|no (?:information|mention)|"
@@ -118,15 +127,59 @@ def sentence_complete(text: str) -> bool:
     return _sentence_end(text.lstrip(), _SENTENCE_ENDED) is not None
 
 
+# A sign belongs to a number where it stands alone before it ("-4.2", "minus 3", "−7"), not in a range ("2019-2020").
+_SIGN_BEFORE = re.compile(r"(?:(?:^|[^\w.,:])[-\u2212]|\bminus\s+)$", re.IGNORECASE)
+_THOUSANDS = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?")  # 190,000 and 1,962.7
+# Lower-case words that carry a fact of their own, each read as one canonical term: a magnitude, a direction, a
+# currency, a share. "184.6 million" and "184.6 billion" differ in one; so do "rose" and "fell".
+_TERMS = {
+    "thousand": "thousand", "thousands": "thousand", "million": "million", "millions": "million", "mn": "million",
+    "billion": "billion", "billions": "billion", "bn": "billion", "trillion": "trillion", "hundred": "hundred",
+    "hundreds": "hundred", "dozen": "dozen",
+    "%": "percent", "percent": "percent", "per cent": "percent", "percentage": "percent",
+    "£": "GBP", "pound": "GBP", "pounds": "GBP", "sterling": "GBP", "pence": "GBP pence", "penny": "GBP pence",
+    "$": "USD", "dollar": "USD", "dollars": "USD", "cent": "cents", "cents": "cents",
+    "€": "EUR", "euro": "EUR", "euros": "EUR", "¥": "JPY", "yen": "JPY",
+    "rose": "up", "rise": "up", "rises": "up", "risen": "up", "rising": "up", "increase": "up", "increased": "up",
+    "increases": "up", "increasing": "up", "grew": "up", "grow": "up", "grown": "up", "growth": "up", "gain": "up",
+    "gained": "up", "higher": "up", "up from": "up", "up by": "up", "up to": "up",
+    "fell": "down", "fall": "down", "falls": "down", "fallen": "down", "falling": "down", "decrease": "down",
+    "decreased": "down", "decreases": "down", "decline": "down", "declined": "down", "drop": "down",
+    "dropped": "down", "lower": "down", "reduced": "down", "reduction": "down", "down from": "down",
+    "down by": "down", "down to": "down",
+}
+_TERM = re.compile(r"[%£$€¥]|\b(?:" + "|".join(re.escape(t) for t in sorted(_TERMS, key=len, reverse=True)
+                                             if t[0].isalpha()) + r")\b", re.IGNORECASE)
+
+
 def numbers_of(text: str) -> list[str]:
-    """The numbers in `text` as digit strings, thousands separators dropped: "190,000" -> "190000"."""
-    numbers = []
+    """The numbers in `text` in their order, as digit strings: thousands separators dropped ("190,000" -> "190000"),
+    a sign kept where it stands alone before the number ("-4.2", "minus 4.2"), number words as digits ("three" ->
+    "3", "sixty-six" -> "66")."""
+    found = []  # (where, number)
     for match in _NUMBER.finditer(text):
         number = match.group()
-        if "," in number and all(len(group) == 3 for group in number.split(",")[1:]):
+        if _THOUSANDS.fullmatch(number.rstrip(".,:")):
             number = number.replace(",", "")
-        numbers.append(number.rstrip(".,:"))
-    return numbers
+        negative = _SIGN_BEFORE.search(text[max(0, match.start() - 8): match.start()]) is not None
+        found.append((match.start(), ("-" if negative else "") + number.rstrip(".,:")))
+    for match in _NUMBER_WORD.finditer(text):
+        if match.group(3):
+            value = _NUMBER_WORDS[match.group(3).lower()]
+        else:
+            value = _NUMBER_WORDS[match.group(1).lower()] + _NUMBER_WORDS[match.group(2).lower()]
+        found.append((match.start(), str(value)))
+    return [number for _, number in sorted(found)]
+
+
+def terms_of(text: str) -> list[str]:
+    """The lower-case facts in `text` as canonical terms, in order: magnitudes ("million"), directions ("up" for
+    rose/increased/up from, "down" for fell/declined), currencies ("GBP" for £/pounds), "percent"."""
+    terms = []
+    for match in _TERM.finditer(text):
+        word = " ".join(match.group().lower().split())
+        terms.append(_TERMS[word])
+    return terms
 
 
 def names_of(text: str) -> list[str]:
@@ -152,20 +205,24 @@ def names_of(text: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Facts:
-    numbers: tuple[str, ...]
+    numbers: tuple[str, ...]  # in the order written
     names: tuple[str, ...]
+    terms: tuple[str, ...]    # lower-case facts (terms_of)
 
 
-def facts_of(sentence: str) -> Facts:
-    return Facts(tuple(numbers_of(sentence)), tuple(names_of(sentence)))
+def facts_of(text: str) -> Facts:
+    return Facts(tuple(numbers_of(text)), tuple(names_of(text)), tuple(terms_of(text)))
 
 
 @dataclass(frozen=True)
 class Change:
-    """A fact of the reference answer that the other answer does not state.
+    """A fact on which two answers differ.
 
-    kind: "number" or "name"; how: "altered" (the other answer states another fact of the kind instead: a
-    digit or a name changed) or "missing" (it says nothing in its place)."""
+    kind: "number", "name" or "term" (a lower-case fact: terms_of).
+    how:  "altered" (the other answer states another fact of the kind in its place), "missing" (it says nothing in
+          its place), "added" (it states a fact of the kind the reference does not), or "reordered" (the same
+          numbers in another order: 12 ... 13 against 13 ... 12).
+    """
 
     kind: str
     reference: str
@@ -173,7 +230,11 @@ class Change:
     instead: str = ""
 
     def describe(self) -> str:
-        return f"{self.reference} -> {self.instead}" if self.how == "altered" else f"{self.reference} missing"
+        if self.how == "missing":
+            return f"{self.reference} missing"
+        if self.how == "added":
+            return f"+{self.instead}"
+        return f"{self.reference} -> {self.instead}"
 
 
 def _normal(text: str) -> str:
@@ -181,27 +242,52 @@ def _normal(text: str) -> str:
     return " ".join(re.sub(r"[^\w]+", " ", unicodedata.normalize("NFKC", text).casefold()).split())
 
 
-def compare(reference: str, other: str, question: str = "") -> list[Change]:
-    """The numbers and names in `reference`'s first sentence that `other`'s first sentence lacks or alters.
+def _unmatched(ours: list[str], theirs: list[str]) -> tuple[list[str], list[str]]:
+    """What each list holds that the other does not, counting repeats: ([ours only], [theirs only]), in order."""
+    only_theirs, only_ours = list(theirs), []
+    for item in ours:
+        if item in only_theirs:
+            only_theirs.remove(item)
+        else:
+            only_ours.append(item)
+    return only_ours, only_theirs
 
-    Facts the question itself states are not counted: an answer that does not repeat "52 weeks" from "How many
-    completed the full 52 weeks?" has not changed a fact."""
-    ours, theirs = facts_of(first_sentence(reference)), facts_of(first_sentence(other))
-    asked = facts_of(question)
-    asked_text = f" {_normal(question)} "
+
+def _paired(kind: str, missing: list[str], added: list[str]) -> list[Change]:
+    """Missing facts paired in order with added ones of the same kind (altered); the rest missing or added."""
+    changes = [Change(kind, ours, "altered", theirs) for ours, theirs in zip(missing, added)]
+    changes += [Change(kind, ours, "missing") for ours in missing[len(added):]]
+    changes += [Change(kind, "", "added", theirs) for theirs in added[len(missing):]]
+    return changes
+
+
+def compare(reference: str, other: str, question: str = "") -> list[Change]:
+    """Every fact on which `other` differs from `reference` (whole texts: callers pass as much of the answers as they
+    compare): numbers in their order, capitalised names, lower-case facts (terms_of).
+
+    A fact the question states may be left out without counting (an answer need not repeat "52 weeks" from "How
+    many completed the full 52 weeks?"), and repeated from the question without counting; stating another in its
+    place counts (2023 in the question and the reference, 2022 in the answer)."""
+    ours, theirs, asked = facts_of(reference), facts_of(other), facts_of(question)
     changes = []
-    extra_numbers = [n for n in theirs.numbers if n not in ours.numbers]
-    for number in ours.numbers:
-        if number not in theirs.numbers and number not in asked.numbers:
-            instead = extra_numbers.pop(0) if extra_numbers else ""
-            changes.append(Change("number", number, "altered" if instead else "missing", instead))
-    their_text = f" {_normal(first_sentence(other))} "
-    our_names = {_normal(m) for m in ours.names}
-    extra_names = [n for n in theirs.names if _normal(n) not in our_names and f" {_normal(n)} " not in asked_text]
-    for name in ours.names:
-        if f" {_normal(name)} " not in their_text and f" {_normal(name)} " not in asked_text:
-            instead = extra_names.pop(0) if extra_names else ""
-            changes.append(Change("name", name, "altered" if instead else "missing", instead))
+    missing, added = _unmatched(list(ours.numbers), list(theirs.numbers))
+    missing = [n for n in missing if n not in asked.numbers]
+    added = [n for n in added if n not in asked.numbers]
+    changes += _paired("number", missing, added)
+    if not changes:  # the same numbers: in the same order?
+        shared_ours = [n for n in ours.numbers if n in theirs.numbers]
+        shared_theirs = [n for n in theirs.numbers if n in ours.numbers]
+        if shared_ours != shared_theirs:
+            changes.append(Change("number", " ".join(shared_ours), "reordered", " ".join(shared_theirs)))
+    asked_text = f" {_normal(question)} "
+    our_text, their_text = f" {_normal(reference)} ", f" {_normal(other)} "
+    missing_names = [name for name in dict.fromkeys(ours.names)
+                     if f" {_normal(name)} " not in their_text and f" {_normal(name)} " not in asked_text]
+    added_names = [name for name in dict.fromkeys(theirs.names)
+                   if f" {_normal(name)} " not in our_text and f" {_normal(name)} " not in asked_text]
+    changes += _paired("name", missing_names, added_names)
+    missing, added = _unmatched(sorted(set(ours.terms)), sorted(set(theirs.terms)))
+    changes += _paired("term", [t for t in missing if t not in asked.terms], [t for t in added if t not in asked.terms])
     return changes
 
 
@@ -211,17 +297,19 @@ def is_refusal(text: str) -> bool:
 
 
 def how_changed(reference: str, other: str, question: str = "") -> str:
-    """One word for how `other` differs from `reference` (first sentences): "same", "wording" (other words, the
-    same facts), "number", "name", "missing" (a fact left out), or "refusal" (declines where the reference
-    answered)."""
-    if first_sentence(reference) == first_sentence(other):
+    """One word for how `other` differs from `reference` (whole texts): "same", "wording" (other words, the same
+    facts), "number", "name" or "term" (a fact of that kind altered or added), "order" (the same numbers reordered),
+    "missing" (a fact left out), or "refusal" (declines where the reference answered)."""
+    if reference.strip() == other.strip():
         return "same"
     if is_refusal(other) and not is_refusal(reference):
         return "refusal"
     changes = compare(reference, other, question)
-    for kind in ("number", "name"):
-        if any(c.kind == kind and c.how == "altered" for c in changes):
+    for kind in ("number", "name", "term"):
+        if any(c.kind == kind and c.how in ("altered", "added") for c in changes):
             return kind
+    if any(c.how == "reordered" for c in changes):
+        return "order"
     return "missing" if changes else "wording"
 
 

@@ -50,7 +50,7 @@ import torch
 from snapkv import native
 from snapkv.base.atomic import write_atomically
 from snapkv.base.bits import Bits
-from snapkv.base.digests import (DIGEST_LANES, MAX_DIGEST_LANES, Piece, check_payload,  # noqa: F401 (re-exported)
+from snapkv.base.digests import (DIGEST_LANES, text_digest, MAX_DIGEST_LANES, Piece, check_payload,  # noqa: F401 (re-exported)
                                  checksum_of, piece_header, sha256_of)
 from snapkv.base.errors import CacheFileError, IncompatibleCacheError
 from snapkv.base.paths import CACHE_SUFFIX
@@ -175,8 +175,9 @@ def cache_tensors(cache: CompressedCache) -> tuple[dict[str, torch.Tensor], dict
 
 
 def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_question: Cut | None = None,
-                   sources: list[Source] = ()) -> dict:
-    """The metadata of a file holding `cache`: everything about the tier comes from the cache itself."""
+                   sources: list[Source] = (), system: str | None = None) -> dict:
+    """The metadata of a file holding `cache`: everything about the tier comes from the cache itself; `system`: the
+    system message it was prompted with, recorded by its digest (what it was measured with: snapkv.storage.measured)."""
     import transformers
 
     from snapkv import __version__
@@ -197,11 +198,12 @@ def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_que
         "num_layers": cache.num_layers,
         "producer": {"snapkv": __version__, "transformers": transformers.__version__, "torch": torch.__version__},
         "created": time.time(),
+        **({"system_sha256": text_digest(system)} if system is not None else {}),
     }
 
 
 def save_cache(path: Path, cache: CompressedCache, *, model: dict | None = None, per_question: Cut | None = None,
-               sources: list[Source] = ()) -> int:
+               sources: list[Source] = (), system: str | None = None) -> int:
     """Write `cache` to `path` atomically; returns the file's size in bytes.
 
     model: the identity of the model that made it (LoadedModel.identity); per_question: the cut its
@@ -210,7 +212,7 @@ def save_cache(path: Path, cache: CompressedCache, *, model: dict | None = None,
     from safetensors.torch import save_file
 
     tensors, storage = cache_tensors(cache)
-    header = build_metadata(cache, model=model, per_question=per_question, sources=sources)
+    header = build_metadata(cache, model=model, per_question=per_question, sources=sources, system=system)
     header["storage"] = storage
     header.update(payload_signatures(tensors))
     return write_atomically(

@@ -112,8 +112,10 @@ def check_cut(field: str, value) -> None:
     _number(f"{field}.keep", cut.get("keep"), 0, 1, optional=True, open_low=True)
     _whole(f"{field}.prefill_chunk", cut.get("prefill_chunk"), 1, MAX_POSITIONS, optional=True)
     _text(f"{field}.method", cut.get("method"), choices=tuple(sorted(METHODS)))
-    settings = {"kernel", "pooling", "chunk", "overlap", "tail", "questions"}
-    _known_keys(field, cut, {"budget", "window", "keep", "prefill_chunk", "method"} | settings)
+    settings = {"kernel", "pooling", "chunk", "overlap", "tail", "questions", "size"}
+    _known_keys(field, cut, {"budget", "window", "keep", "prefill_chunk", "method", "whole_words"} | settings)
+    if "whole_words" in cut and not isinstance(cut["whole_words"], bool):
+        raise SchemaError(f"{field}.whole_words", f"true or false is needed, got {_shown(cut['whole_words'])}")
     if "kernel" in cut:
         _whole(f"{field}.kernel", cut["kernel"], 1, MAX_KERNEL)
         if cut["kernel"] % 2 == 0:
@@ -121,6 +123,7 @@ def check_cut(field: str, value) -> None:
     if "pooling" in cut:
         _text(f"{field}.pooling", cut["pooling"], choices=("max", "avg"))
     _whole(f"{field}.chunk", cut.get("chunk"), 1, MAX_POSITIONS, optional=True)
+    _whole(f"{field}.size", cut.get("size"), 1, MAX_POSITIONS, optional=True)
     for name in ("overlap", "tail"):
         _whole(f"{field}.{name}", cut.get(name), 0, MAX_POSITIONS, optional=True)
     if "questions" in cut:
@@ -253,7 +256,7 @@ def check_metadata(metadata: dict, major: int) -> None:
         _text(f"producer.{key}"[:200], version, optional=True)
     _storage(metadata.get("storage"), major)
     _same_bits(metadata)
-    for key in ("payload_xxh3_128", "payload_sha256"):
+    for key in ("payload_xxh3_128", "payload_sha256", "system_sha256"):
         _text(key, metadata.get(key), optional=True, pattern=HEX)
     lanes = metadata.get("payload_sha256_lanes")
     if lanes is not None:

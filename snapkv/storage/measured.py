@@ -1,61 +1,89 @@
-"""What `snapkv eval fidelity` measured for each stored tier, for people choosing one: `info`, `--help`, README.
+"""What `snapkv eval fidelity` measured, for people choosing settings: `snapkv info` shows the figures of a file's own
+model, stored bits, per-question budget and system message, or says they were not measured.
 
-Free of torch (the CLI's help and `info` read it). The figures are from one run of the benchmark on the
-embedded model (README "What is saved" has the command, the CPU and the whole table); a tier not listed here
-was not measured.
+Free of torch (`info` reads it). The figures live in measured.json beside this module, generated from the result
+files under benchmarks/results by `python scripts/publish_measured.py` (snapkv.measure.published); a test
+regenerates them and fails where they differ, so nothing here is typed by hand.
 """
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
 
 from snapkv.base.bits import Bits
 
 
 @dataclass(frozen=True)
-class Fidelity:
-    """A stored tier's answers against the 16-bit tier's, both cut to the default budget per question."""
+class Measured:
+    """One setting's answers against its reference's, over one run of the benchmark.
 
-    questions: int   # answered by both (documents' questions and the needle grid)
-    identical: int   # first sentence identical, token for token
-    changed: int     # answers in which a number or name of the 16-bit tier's first sentence is lacking or altered
-    lost: int        # expected facts the 16-bit tier found and this tier did not
-    smaller: float   # times smaller than the 16-bit file
+    kind:      "storage" (a stored tier against the 16-bit file, both cut to `budget`), "compression" (the 16-bit
+               file cut to `budget` against the full cache) or "floor" (the full cache through a second engine)
+    setting, reference: the benchmark's names ("16/8 @4096", "16 @4096", "full")
+    """
+
+    kind: str
+    model: str
+    dtype: str
+    system_sha256: str | None  # the system message's digest; None where the run did not record it
+    bits: str
+    budget: int | None
+    method: str                # the per-question cut's method, its pooling width, and whether it keeps words whole
+    kernel: int
+    whole_words: bool
+    setting: str
+    reference: str
+    answers: str               # what was compared: "64 tokens" or "first sentence"
+    questions: int
+    identical: int
+    changed: int               # answers with a fact lacking, altered, added or moved (snapkv.io.facts.compare)
+    changed_right: int         # of those, where the reference stated the expected fact
+    lost: int                  # expected facts the reference stated and this setting did not
+    gained: int
+    smaller: float             # times smaller than the reference's files (0: not a storage comparison)
+    beyond_floor: bool | None  # beyond the run's noise floor by more than chance (None: no floor measured)
+    cpu: str
+    source: str                # the result file it was computed from
 
     def describe(self) -> str:
-        return (f"{self.identical / self.questions:.0%} of {self.questions} answers identical to the 16-bit tier's, "
-                f"{self.changed} with a number or name changed ({self.changed / self.questions:.1%}), "
-                f"{self.lost} facts lost; {self.smaller:.1f}x smaller")
-
-    def summary(self) -> str:
-        """One short line for --help: "1.6x smaller: 97% identical, 0.5% changed, 0 lost"."""
-        return (f"{self.smaller:.1f}x smaller: {self.identical / self.questions:.0%} identical, "
-                f"{self.changed / self.questions:.1%} changed, {self.lost} lost")
-
-
-# `snapkv eval fidelity --dtype float32 --budget 4096` (17 documents and the needle grid, 443 questions), the
-# embedded model in fp32 on a 2-core AMD EPYC with AVX-512; 47 minutes. The default (16/8) first, then by
-# fidelity.
-MEASURED: dict[str, Fidelity] = {
-    "16/8": Fidelity(questions=443, identical=438, changed=1, lost=0, smaller=1.28),
-    "8": Fidelity(questions=443, identical=418, changed=12, lost=0, smaller=1.77),
-    "16/4": Fidelity(questions=443, identical=346, changed=69, lost=4, smaller=1.56),
-    "16/3": Fidelity(questions=443, identical=278, changed=102, lost=7, smaller=1.64),
-    "8/4": Fidelity(questions=443, identical=343, changed=73, lost=4, smaller=2.36),
-    "4/3": Fidelity(questions=443, identical=187, changed=177, lost=20, smaller=4.08),
-    "3/2+20%@8/4": Fidelity(questions=443, identical=153, changed=226, lost=27, smaller=4.29),
-}
+        cut = f"{self.budget}{' by ' + self.method if self.method != 'snapkv' else ''}" + (
+            ", whole words" if self.whole_words else "")
+        what = {"storage": f"{self.bits} bits against 16 bits, both cut to {cut}",
+                "compression": f"the cut to {cut} against the full cache",
+                "floor": "the noise floor (a second engine)"}[self.kind]
+        floor = ("" if self.beyond_floor is None
+                 else "; beyond the noise floor" if self.beyond_floor else "; within the noise floor")
+        smaller = f"; {self.smaller:.2f}x smaller" if self.smaller else ""
+        return (f"{what}: {self.identical} of {self.questions} answers identical, {self.changed} with a fact changed "
+                f"({self.changed_right} where the reference was right), {self.lost} facts lost, {self.gained} gained"
+                f"{smaller}{floor} ({self.answers} compared, {self.dtype}, {self.source})")
 
 
-def measured_tiers() -> str:
-    """Every measured tier with its summary, for --help: "16/8 1.3x smaller: ...; 8 1.8x smaller: ..."."""
-    return "; ".join(f"{bits} {measured.summary()}" for bits, measured in MEASURED.items())
+@lru_cache(maxsize=1)
+def all_measured() -> tuple[Measured, ...]:
+    """Every published figure (measured.json), later runs after earlier ones."""
+    text = resources.files("snapkv.storage").joinpath("measured.json").read_text(encoding="utf-8")
+    return tuple(Measured(**entry) for entry in json.loads(text)["entries"])
 
 
-def fidelity_of(bits: "Bits | int | str") -> Fidelity | None:
-    """The measured fidelity of a stored precision, or None where it was not measured."""
+def measured_for(model: str, bits: "Bits | int | str", cut: dict | None,
+                 system_sha256: str | None) -> list[Measured]:
+    """The figures measured for a file's own settings (cut: its per-question cut as its metadata holds it): its stored
+    bits against 16 bits at its cut, and its cut against the full cache; the latest run of each. [] where these
+    settings were not measured."""
     try:
-        text = str(Bits.parse(bits))
+        wanted = str(Bits.parse(bits))
     except ValueError:
-        return None
-    if text == "16":
-        return None
-    return MEASURED.get(text)
+        return []
+    if system_sha256 is None or not cut or cut.get("budget") is None or cut.get("keep") is not None:
+        return []
+    method, kernel, words = cut.get("method"), cut.get("kernel"), bool(cut.get("whole_words", False))
+    found: dict[str, Measured] = {}
+    for entry in all_measured():
+        if (entry.model != model or entry.system_sha256 != system_sha256 or entry.budget != cut["budget"]
+                or entry.kind == "floor" or (entry.method, entry.kernel, entry.whole_words) != (method, kernel, words)):
+            continue
+        if (entry.kind == "storage" and entry.bits == wanted) or entry.kind == "compression":
+            found[entry.kind] = entry
+    return [found[kind] for kind in ("storage", "compression") if kind in found]

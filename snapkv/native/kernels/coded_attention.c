@@ -315,7 +315,9 @@ static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int
 /* attend_coded, then SnapKV's cut of the layer (snapkv.compression.compress.cut_layer's steps) in the same call, so that no step
  * waits on Python or on waking threads: the window's sums put back in position order (sharp: a sharper share's
  * (kv_heads, stored) bool mask, its positions read first; NULL for one part),
- * pooled and averaged per KV head (window_scores), the best `prefix_keep` positions and the question's own
+ * pooled and averaged per KV head (window_scores), averaged over chunks of `chunk` positions (chunk_means; 1: none),
+ * each word's positions given its best score (word_maxima; words: (kv_heads, tokens - window) word ids, or NULL),
+ * the best `prefix_keep` positions and the question's own
  * (top_positions), and the keys and values at them restored (dequantize_positions: the same bits as the whole layer's
  * restore). The query rows, the question's values and the output are rotated here (rotation_block: the Hadamard block
  * of the rotated parts; values_rotated: the values' basis).
@@ -326,9 +328,9 @@ static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int
 int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
                          int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
                          int64_t rotation_block, int values_rotated, const float *question_keys,
-                         const float *question_values, const uint8_t *sharp, int kernel, int pooling,
-                         int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
-                         float *keys_out, float *values_out, int threads) {
+                         const float *question_values, const uint8_t *sharp, int kernel, int pooling, int64_t chunk,
+                         const int64_t *words, int64_t prefix_keep, int64_t window, float *out, int64_t *indices,
+                         int64_t kept, float *keys_out, float *values_out, int threads) {
     if (!(wide_vectors(-1) || SNAPKV_WIDE_EMULATED) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
         || window < 1 || window > question || prefix_keep < 0 || head_dim > MAX_HEAD_DIM
         || (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)))
@@ -384,6 +386,8 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
     }
     status = window_scores(sums, kv_heads, group, 1, prefix, group * tokens, tokens, tokens, kernel, pooling, scores,
                            threads);
+    if (!status) status = chunk_means(scores, kv_heads, prefix, chunk);
+    if (!status && words) status = word_maxima(scores, words, kv_heads, prefix);
     if (!status) status = top_positions(scores, kv_heads, prefix, prefix_keep, window, indices, threads);
     if (!status)
         status = dequantize_positions(key_pointers, key_shapes, parts, column_of, kv_heads, stored, head_dim, indices,

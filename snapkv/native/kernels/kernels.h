@@ -60,8 +60,8 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
 int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
                          int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
                          int64_t rotation_block, int values_rotated, const float *question_keys,
-                         const float *question_values, const uint8_t *sharp, int kernel, int pooling,
-                         int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
+                         const float *question_values, const uint8_t *sharp, int kernel, int pooling, int64_t chunk,
+                         const int64_t *words, int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
                          float *keys_out, float *values_out, int threads);
 
 /* ---- a decoded token and a question's layers (decode_step.c) ---- */
@@ -79,6 +79,8 @@ int question_after_attention(const decoder_shape *shape, const decoder_layer *la
 int window_scores(const float *weights, int64_t kv_heads, int64_t group, int64_t window, int64_t columns,
                   int64_t head_stride, int64_t group_stride, int64_t row_stride, int kernel, int pooling,
                   float *scores, int threads);
+int chunk_means(float *scores, int64_t rows, int64_t columns, int64_t size);
+int word_maxima(float *scores, const int64_t *words, int64_t rows, int64_t columns);
 int top_positions(const float *scores, int64_t kv_heads, int64_t prefix, int64_t keep, int64_t window,
                   int64_t *indices, int threads);
 int gather_rows(const uint8_t *states, int64_t heads, int64_t head_stride, int64_t rows, int64_t row_bytes,

@@ -96,6 +96,42 @@ int window_scores(const float *weights, int64_t kv_heads, int64_t group, int64_t
     return failed ? -1 : 0;
 }
 
+/* In place over scores (rows, columns): each position's score becomes the mean of its chunk of `size` positions
+ * (chunks from column 0; the last may be shorter), summed in order, so that a chunk ranks as one
+ * (snapkv.compression.scoring.chunk_means, ChunkKV). Returns 0, or -1 for a size below 1. */
+int chunk_means(float *scores, int64_t rows, int64_t columns, int64_t size) {
+    if (size < 1 || rows < 0 || columns < 0) return -1;
+    if (size == 1) return 0;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * columns;
+        for (int64_t start = 0; start < columns; start += size) {
+            const int64_t stop = start + size < columns ? start + size : columns;
+            float sum = 0.0f;
+            for (int64_t j = start; j < stop; j++) sum += row[j];
+            const float mean = sum / (float)(stop - start);
+            for (int64_t j = start; j < stop; j++) row[j] = mean;
+        }
+    }
+    return 0;
+}
+
+/* In place over scores (rows, columns): each position's score becomes the largest of its word's, words[r, j] the word
+ * id of row r's position j, ascending along a row (one word's positions side by side), so that a word ranks as one
+ * (snapkv.compression.scoring.word_maxima). A maximum is exact: the same values as PyTorch's scatter. Returns 0. */
+int word_maxima(float *scores, const int64_t *words, int64_t rows, int64_t columns) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * columns;
+        const int64_t *word = words + r * columns;
+        for (int64_t start = 0, stop; start < columns; start = stop) {
+            float best = row[start];
+            for (stop = start + 1; stop < columns && word[stop] == word[start]; stop++)
+                best = row[stop] > best ? row[stop] : best;
+            for (int64_t j = start; j < stop; j++) row[j] = best;
+        }
+    }
+    return 0;
+}
+
 static int descending(const void *a, const void *b) {
     const float x = *(const float *)a, y = *(const float *)b;
     return (x < y) - (x > y);
