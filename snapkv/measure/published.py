@@ -19,7 +19,8 @@ RESULTS: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("benchmarks/results/fidelity-fp32-budget4096.json",), ""),
     (("benchmarks/results/fidelity-fp32-budget4096-system.json",), DEFAULT_SYSTEM),
     (("benchmarks/results/fidelity-cut-fp32-long.json", "benchmarks/results/fidelity-cut-fp32-new.json",
-      "benchmarks/results/fidelity-cut-fp32-words.json", "benchmarks/results/fidelity-floor-bf16.json"), None),
+      "benchmarks/results/fidelity-cut-fp32-words.json", "benchmarks/results/fidelity-floor-bf16.json",
+      "benchmarks/results/fidelity-storage-fp32-2048-words.json"), None),
 )
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "storage" / "measured.json"
 
@@ -28,18 +29,20 @@ def merged(runs: list[dict]) -> dict:
     """Runs over the same documents with different settings as one (the first run's description, every run's
     answers per document); ValueError where two runs answered one setting differently (not the same computation)."""
     first = dict(runs[0])
-    documents = {d["name"]: {**d, "answers": dict(d["answers"]), "seconds": dict(d.get("seconds", {}))}
-                 for d in first["documents"]}
+    documents = {d["name"]: {**d, "answers": dict(d["answers"]), "seconds": dict(d.get("seconds", {})),
+                             "file_bytes": dict(d.get("file_bytes", {}))} for d in first["documents"]}
     settings = list(first["settings"])
     for run in runs[1:]:
         for document in run["documents"]:
-            into = documents.setdefault(document["name"], {**document, "answers": {}, "seconds": {}})
+            into = documents.setdefault(document["name"], {**document, "answers": {}, "seconds": {}, "file_bytes": {}})
             for name, answers in document["answers"].items():
                 texts = [a["text"] for a in answers]
                 if name in into["answers"] and [a["text"] for a in into["answers"][name]] != texts:
                     raise ValueError(f"{document['name']}: two runs answered {name} differently")
                 into["answers"][name] = answers
                 into["seconds"][name] = document.get("seconds", {}).get(name, 0.0)
+                if name in document.get("file_bytes", {}):
+                    into["file_bytes"][name] = document["file_bytes"][name]
         settings += [name for name in run["settings"] if name not in settings]
     # only documents every setting answered
     kept = [d for d in documents.values() if all(name in d["answers"] for name in settings)]
