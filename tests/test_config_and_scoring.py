@@ -36,7 +36,8 @@ def test_which_cut_at_prefill_and_which_per_question():
     assert query_aware.mode == "query-aware"
     # the default file: the whole prompt, keys in 16 bits and values in 8 (chosen by `snapkv eval fidelity`)
     assert DEFAULTS.stored_tier is None and str(DEFAULTS.store_bits) == "16/8"
-    assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"))
+    # each question's cut keeps words whole by default (docs/how-it-works.md, Defaults, and why)
+    assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"), whole_words=True)
     assert SnapKVConfig(store_keep=None).stored_tier is None  # the whole prompt
     tier = SnapKVConfig(budget=256, query_aware=True, store_keep=None, store_budget=2048,
                         store_method="reconstruction").stored_tier
@@ -50,7 +51,8 @@ def test_which_cut_at_prefill_and_which_per_question():
 
 
 def test_defaults_live_in_one_place():
-    assert (DEFAULTS.budget, DEFAULTS.window, DEFAULTS.kernel, DEFAULTS.pooling) == (4096, 32, 15, "max")
+    assert (DEFAULTS.budget, DEFAULTS.window, DEFAULTS.kernel, DEFAULTS.pooling) == (2048, 32, 15, "max")
+    assert DEFAULTS.whole_words and DEFAULTS.cut.whole_words
     assert DEFAULTS.kernel == SnapKV().kernel and DEFAULTS.pooling == SnapKV().pooling
     assert DEFAULTS.query_aware and DEFAULTS.method == SnapKV.name
 

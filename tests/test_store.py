@@ -100,7 +100,7 @@ def test_query_aware_saves_the_stored_tier(tiny_loaded, tmp_path):
     assert metadata["mode"] == "query-aware"
     question = torch.tensor([9, 10, 11])
     reloaded = session.load_file(prepared.path)
-    assert reloaded.per_question == prepared.per_question == Cut(32, 8)
+    assert reloaded.per_question == prepared.per_question == Cut(32, 8, whole_words=True)
     cut = prepared.per_question
     assert list(answer(tiny_loaded.model, prepared.cache, question, per_question=cut, max_new_tokens=8)) == \
         list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
