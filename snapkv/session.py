@@ -472,7 +472,7 @@ class Session:
             max_new_tokens = min(max_new_tokens, room)
         stop_ids = loaded.stop_ids if stop_at_end else frozenset()
         per_question = prepared.per_question
-        words = (self.prompter.word_ids(prepared.cache.token_ids)
+        words = (self.prompter.word_ids(prepared.cache.token_ids, per_question.numbers_with_neighbours)
                  if per_question is not None and per_question.whole_words else None)
         return AnswerStream(loaded, prepared, question, ids, max_new_tokens, sampling, stop_ids, measure,
                             self.engine, words)

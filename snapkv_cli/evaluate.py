@@ -226,7 +226,9 @@ def fidelity(
         "such as 25%, comma-separated (default: --budget)."),
     methods: str = typer.Option(DEFAULT_CUT, "--cut-methods", help="The per-question cut's methods, comma-separated: "
                                 "snapkv, chunks (whole chunks of 8 positions kept by their mean score); +words "
-                                "after either keeps words whole (snapkv+words)."),
+                                "after either keeps words whole (snapkv+words), +numbers after +words a number with the "
+                                "words either side; +pyramid keeps more in the lower layers and fewer in the upper ones, "
+                                "as many in all (snapkv+words+pyramid)."),
     kernels: str = typer.Option("", "--cut-kernels", help="Pooling widths the cuts are compared at, comma-separated "
                                 "(default: the default's)."),
     floor: str = typer.Option("torch", help="The noise floor: the same 16-bit file answered again by another engine "
@@ -263,7 +265,8 @@ def fidelity(
     from snapkv.base.atomic import write_atomically
     from snapkv.compression.config import DEFAULT_SYSTEM, ENGINE_CHOICES
     from snapkv.compression.methods import METHODS
-    from snapkv.measure.fidelity import FULL, load_documents, needle_documents, parse_cut_sizes, run_fidelity, settings_for
+    from snapkv.measure.fidelity import (FULL, cut_method_parts, load_documents, needle_documents, parse_cut_sizes,
+                                         run_fidelity, settings_for)
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
@@ -282,8 +285,11 @@ def fidelity(
     if not cut_sizes:
         raise ConfigError("--cut-budgets needs at least one budget or share")
     cut_methods = [m.strip() for m in methods.split(",") if m.strip()] or [DEFAULT_CUT]
-    unknown = [m for m in cut_methods if m.removesuffix("+words") not in METHODS
-               or not METHODS[m.removesuffix("+words")].scores_during_prefill]
+    try:
+        names = [cut_method_parts(m)[0] for m in cut_methods]
+    except ValueError as error:
+        raise ConfigError(f"--cut-methods: {error}") from None
+    unknown = [m for m, name in zip(cut_methods, names) if name not in METHODS or not METHODS[name].scores_during_prefill]
     if unknown:
         raise ConfigError(f"--cut-methods: {', '.join(unknown)} cannot cut per question; use snapkv or chunks")
     cut_kernels = parse_sizes(kernels, name="--cut-kernels") if kernels.strip() else None

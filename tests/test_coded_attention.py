@@ -60,7 +60,8 @@ def coded_calls(monkeypatch) -> list[bool]:
     (Bits(4, 3), QUESTION, SnapKV()),  # one part, every key and value rotated
     (Bits(8), QUESTION, SnapKV()),  # one part, nothing rotated (the values' sum in their own basis)
     (Bits(8), QUESTION, Chunks(size=8)),  # whole chunks kept, from the codes
-    (Bits(4, 3), QUESTION, "words")])  # whole words kept (random words of 1-5 tokens), from the codes
+    (Bits(4, 3), QUESTION, "words"),  # whole words kept (random words of 1-5 tokens), from the codes
+    (Bits(8), QUESTION, "pyramid")])  # more kept in the lower layers, fewer in the upper ones
 @pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),
                                    dict(num_attention_heads=2, num_key_value_heads=2)])
 def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, method, heads, tmp_path, monkeypatch):
@@ -84,6 +85,8 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
             words = torch.repeat_interleave(torch.arange(PROMPT), torch.randint(1, 6, (PROMPT,),
                                             generator=torch.Generator().manual_seed(5)))[:PROMPT]
             plan.words = [words.expand(heads["num_key_value_heads"], -1)] * len(model.model.layers)
+        elif method == "pyramid":
+            plan = CompressionPlan(Cut(64, 8, SnapKV(), pyramid=True), window=window, layers=len(model.model.layers))
         else:
             plan = CompressionPlan(Cut(64, 8, method), window=window)
         logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers, from_codes=True)
@@ -95,7 +98,7 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
     assert kept.keys() == restored_kept.keys() == set(range(len(model.model.layers)))
     assert all(torch.equal(kept[i], restored_kept[i]) for i in kept)
     for index, ((keys, values), (restored_keys, restored_values)) in enumerate(zip(states, restored_states)):
-        assert keys.shape == (1, heads["num_key_value_heads"], Cut(64, 8).prefix_keep + window, 64)
+        assert keys.shape == (1, heads["num_key_value_heads"], plan.prefix_keep_at(index) + window, 64)
         stored = kept[index][0] < PROMPT  # (kv_heads, kept): the cache's positions, not the question's own
         for got, want in ((keys, restored_keys), (values, restored_values)):
             assert torch.equal(got[0][stored], want[0][stored])  # stored rows: to the bit

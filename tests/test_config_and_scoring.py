@@ -136,6 +136,18 @@ def test_chunks_rank_as_one_and_are_kept_whole():
         Chunks(size=0)
 
 
+def test_a_pyramid_cut_keeps_more_below_and_fewer_above_and_as_many_in_all():
+    flat, pyramid = Cut(2048, 32), Cut(2048, 32, pyramid=True)
+    layers = 30
+    kept = [pyramid.prefix_keep_at(layer, layers) for layer in range(layers)]
+    assert kept[0] == 3024 and kept[-1] == 1008 and kept == sorted(kept, reverse=True)  # 1.5x down to 0.5x
+    assert abs(sum(kept) - layers * flat.prefix_keep) <= layers // 2  # the same in all, within rounding
+    assert {flat.prefix_keep_at(layer, layers) for layer in range(layers)} == {flat.prefix_keep}
+    assert Cut.from_dict(pyramid.to_dict()) == pyramid and "pyramid" not in flat.to_dict()
+    assert SnapKVConfig(pyramid=True).per_question.pyramid
+    assert not SnapKVConfig(pyramid=True, query_aware=False).stored_tier.pyramid  # the prefill's cut ignores it
+
+
 def test_whole_words_rank_as_their_best_token_and_are_kept_whole():
     from snapkv.compression.scoring import word_maxima
 

@@ -146,6 +146,26 @@ def test_settings_and_comparisons_count_questions():
     assert comparison.examples[0]["changes"] == ["121.3 -> 179.3"]
 
 
+def test_cut_methods_carry_their_flags_into_setting_names_and_back():
+    from snapkv.measure.fidelity import cut_method_parts
+
+    assert cut_method_parts("snapkv+words+pyramid") == ("snapkv", dict(words=True, numbers=False, pyramid=True))
+    assert cut_method_parts("chunks") == ("chunks", dict(words=False, numbers=False, pyramid=False))
+    with pytest.raises(ValueError, match=r"\+sentences"):
+        cut_method_parts("snapkv+sentences")
+    with pytest.raises(ValueError, match=r"goes with \+words"):
+        cut_method_parts("snapkv+numbers")
+    methods = ["snapkv+words", "snapkv+words+pyramid", "chunks+pyramid", "snapkv+words+numbers"]
+    settings = settings_for([], 2048, [2048], methods)
+    names = [s.name for s in settings]
+    assert names == ["full", "16 @2048 words", "16 @2048 words pyramid", "16 @2048 chunks pyramid",
+                     "16 @2048 words numbers"]
+    assert [Setting.parse(name) for name in names] == settings
+    cuts = [setting.per_question(DEFAULTS) for setting in settings[1:]]
+    assert [(c.whole_words, c.pyramid, c.numbers_with_neighbours) for c in cuts] == [
+        (True, False, False), (True, True, False), (False, True, False), (True, False, True)]
+
+
 def test_needle_documents_hold_their_number(embedded):
     documents = needle_documents(embedded.tokenizer, [300], [0.1, 0.9])
     assert [d.name for d in documents] == ["needle-300-10", "needle-300-90"]

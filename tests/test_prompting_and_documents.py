@@ -44,6 +44,12 @@ def test_words_hold_whole_numbers_codes_and_names(embedded):
         spelled[word] = spelled.get(word, "") + tokenizer.decode([token])
     assert [w.strip() for w in spelled.values()] == ["The", "code", "is", "IRCS-2021-04817,", "the", "span", "2,150",
                                                      "feet", "(1.84)", "by", "Dr", "Helka", "Raudsepp.", "Next"]
+    phrases = {}
+    for token, word in zip(ids.tolist(), Prompter(tokenizer).word_ids(ids, numbers_with_neighbours=True).tolist()):
+        phrases[word] = phrases.get(word, "") + tokenizer.decode([token])
+    # a number goes with the words either side of it; two numbers a word apart make one phrase
+    assert [w.strip() for w in phrases.values()] == ["The", "code", "is IRCS-2021-04817, the", "span 2,150 feet (1.84) by",
+                                                     "Dr", "Helka", "Raudsepp.", "Next"]
 
 
 def test_read_text_html_and_folders(tmp_path):

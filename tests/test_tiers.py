@@ -499,17 +499,19 @@ def test_a_per_question_cut_as_a_share_is_sized_for_each_document(tiny_loaded):
 
 
 def test_a_cut_that_keeps_words_whole_sees_the_prompts_words(tiny_loaded, monkeypatch):
-    """With whole_words, every layer's per-question cut ranks words (word_maxima over the prompt's own word ids, the
-    question's tokens one word each); the file says so; without it, no layer does."""
+    """With whole_words, every layer's per-question cut ranks words (word_maxima over the prompt's own word ids, with
+    numbers_with_neighbours its phrases; the question's tokens one word each); the file says so; without it, no layer
+    does."""
     from snapkv.compression import compress
 
     seen = []
     real = compress.word_maxima
     monkeypatch.setattr(compress, "word_maxima", lambda scores, words: seen.append(words) or real(scores, words))
     text = " ".join(f"Line {i} of the ledger holds {i * 3}.{i * 7}." for i in range(20))
-    for whole_words in (True, False):
+    for whole_words, numbers in ((True, False), (True, True), (False, False)):
         seen.clear()
-        session = Session(tiny_loaded, SnapKVConfig(budget=32, window=8, whole_words=whole_words))
+        session = Session(tiny_loaded, SnapKVConfig(budget=32, window=8, whole_words=whole_words,
+                                                    numbers_with_neighbours=numbers))
         prepared = session.prepare(Document(text))
         stream = session.ask(prepared, "What does line 3 hold?", max_new_tokens=3)
         "".join(stream)
@@ -518,5 +520,8 @@ def test_a_cut_that_keeps_words_whole_sees_the_prompts_words(tiny_loaded, monkey
             assert seen == []
             continue
         assert len(seen) == tiny_loaded.model.config.num_hidden_layers
-        prompt_words = session.prompter.word_ids(prepared.cache.token_ids)
+        prompt_words = session.prompter.word_ids(prepared.cache.token_ids, numbers_with_neighbours=numbers)
+        assert prepared.per_question.numbers_with_neighbours == numbers
+        if numbers:  # fewer, longer words: each number with its neighbours
+            assert int(prompt_words.max()) < int(session.prompter.word_ids(prepared.cache.token_ids).max())
         assert torch.equal(seen[0][0], prompt_words)  # the stored positions' words, then the question's none

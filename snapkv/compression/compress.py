@@ -22,7 +22,7 @@ from snapkv.modeling.architectures import attention_layers, hooked_attention, wi
 class CompressionPlan:
     """What one forward pass keeps per layer.
 
-    cut:    the method and budget; `cut.prefix_keep` positions are kept before the observation window.
+    cut:    the method and budget; `cut.prefix_keep_at(layer, layers)` positions are kept before the observation window.
     window: the observation window: this many of the forward's last new tokens (capped at the number
             of new tokens). The cut's own window at prefill; the whole question in a question pass.
     """
@@ -35,6 +35,8 @@ class CompressionPlan:
     # with cut.whole_words: per layer (kv_heads, held) the word id of each position the layer's cache held before
     # the forward (snapkv.engine.prompting.Prompter.word_ids); None: words are not known, scores are per token
     words: list[torch.Tensor] | None = None
+    # the model's layer count, for a cut whose budget differs by layer (Cut.pyramid); 0: the same in every layer
+    layers: int = 0
 
     def word_ids(self, layer_index: int, n: int) -> torch.Tensor | None:
         """(kv_heads, n) word ids of a layer's first n positions (the forward's own new tokens one word each), or
@@ -47,9 +49,9 @@ class CompressionPlan:
         fresh = held[:, -1:] + 1 + torch.arange(n - held.shape[1], device=held.device)  # (kv_heads, new)
         return torch.cat([held, fresh.expand(held.shape[0], -1)], dim=1)
 
-    @property
-    def prefix_keep(self) -> int:
-        return self.cut.prefix_keep
+    def prefix_keep_at(self, layer_index: int) -> int:
+        """Positions this plan keeps outside the window in that layer (Cut.prefix_keep_at)."""
+        return self.cut.prefix_keep_at(layer_index, self.layers)
 
 
 def cache_argument(kwargs: dict):
@@ -86,7 +88,8 @@ def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache,
     keys, values = layer.keys, layer.values  # (batch, kv_heads, n, head_dim)
     n = keys.shape[2]
     window = min(plan.window, hidden_states.shape[1])
-    if n <= plan.prefix_keep + window:
+    prefix_keep = plan.prefix_keep_at(module.layer_idx)
+    if n <= prefix_keep + window:
         return  # nothing to drop: the layer is left whole
     scores = _scores_from_attention(plan.cut.method, captured, keys, window)
     if scores is None:  # the window's queries again, and their attention onto every key
@@ -98,7 +101,7 @@ def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache,
     words = plan.word_ids(module.layer_idx, n - window)
     if words is not None:
         scores = word_maxima(scores, words)
-    indices = kept_indices(scores, plan.prefix_keep, window)
+    indices = kept_indices(scores, prefix_keep, window)
     layer.keys = gather_positions(keys, indices)
     layer.values = gather_positions(values, indices)
     plan.kept[module.layer_idx] = indices

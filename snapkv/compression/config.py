@@ -24,6 +24,9 @@ from snapkv.compression.methods import (METHODS, Method, Pooling, PseudoQuestion
 DEFAULT_SYSTEM = "You are a helpful AI assistant."
 
 
+# Cut.pyramid: the first layer keeps this much more than the budget, the last this much less
+PYRAMID_SPREAD = 0.5
+
 Mode = Literal["full", "document-window", "tier-only", "query-aware"]
 TruncateSide = Literal["start", "middle", "end"]
 
@@ -40,6 +43,10 @@ class Cut:
     whole_words: a question's cut ranks each word (a number, a code, a name) as its best-scored token, so that a
     word is kept or dropped whole: "04817" is not cut to "04" (snapkv.compression.scoring.word_maxima). Needs the
     prompt's tokens (a per-question cut; the prefill's cut ignores it).
+    numbers_with_neighbours: with whole_words, a word holding a digit ranks as one with the words either side ("on 14
+    March 2025 at"), so that a figure is kept with what it counts and a date with its year (Prompter.word_ids).
+    pyramid: a question's cut keeps more in the lower layers and fewer in the upper ones, the same in all
+    (prefix_keep_at); the prefill's cut ignores it.
     """
 
     budget: int | None
@@ -48,10 +55,14 @@ class Cut:
     keep: float | None = None
     chunk: int | None = None
     whole_words: bool = False
+    pyramid: bool = False
+    numbers_with_neighbours: bool = False
 
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ConfigError(f"window must be at least 1, got {self.window}")
+        if self.numbers_with_neighbours and not self.whole_words:
+            raise ConfigError("numbers are kept with their neighbours by a cut that keeps words whole")
         if self.keep is not None and not 0 < self.keep <= 1:
             raise ConfigError(f"the kept fraction must be above 0 and at most 1, got {self.keep}")
         if self.budget is None and self.keep is None:
@@ -71,6 +82,15 @@ class Cut:
         """Positions kept outside the observation window."""
         return self.budget - self.window
 
+    def prefix_keep_at(self, layer: int, layers: int) -> int:
+        """Positions kept outside the window in layer `layer` of `layers`: prefix_keep in every layer, or with
+        `pyramid` from (1 + PYRAMID_SPREAD) x prefix_keep in the first layer down to (1 - PYRAMID_SPREAD) x in the
+        last, linearly, the same in all (PyramidKV, arXiv 2406.02069: lower layers attend broadly, upper ones
+        narrowly)."""
+        if not self.pyramid or layers < 2:
+            return self.prefix_keep
+        return max(1, round(self.prefix_keep * (1 + PYRAMID_SPREAD * (1 - 2 * layer / (layers - 1)))))
+
     def sized_for(self, length: int, document: range) -> "Cut":
         """This cut with its budget for a prompt of `length` positions holding the document at `document`."""
         if self.keep is None:
@@ -84,6 +104,8 @@ class Cut:
         # "prefill_chunk", not "chunk": a method's own settings (Reconstruction's chunk) share this dict
         chunked = {"prefill_chunk": self.chunk} if self.chunk is not None else {}
         words = {"whole_words": True} if self.whole_words else {}
+        words |= {"pyramid": True} if self.pyramid else {}
+        words |= {"numbers_with_neighbours": True} if self.numbers_with_neighbours else {}
         return {"budget": self.budget, "window": self.window, **kept, **chunked, **words, **method_to_dict(self.method)}
 
     @classmethod
@@ -92,13 +114,14 @@ class Cut:
         try:
             budget, window = data.pop("budget"), int(data.pop("window"))
             keep, chunk = data.pop("keep", None), data.pop("prefill_chunk", None)
-            words = bool(data.pop("whole_words", False))
+            words, pyramid = bool(data.pop("whole_words", False)), bool(data.pop("pyramid", False))
+            numbers = bool(data.pop("numbers_with_neighbours", False))
             budget = None if budget is None else int(budget)
             keep = None if keep is None else float(keep)
             chunk = None if chunk is None else int(chunk)
         except (KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"a cut needs a whole budget or a fraction, and a window, got {data!r}") from error
-        return cls(budget, window, method_from_dict(data), keep, chunk, words)
+        return cls(budget, window, method_from_dict(data), keep, chunk, words, pyramid, numbers)
 
     def describe(self) -> str:
         method = self.method
@@ -108,6 +131,8 @@ class Cut:
             size += f"{' = ' if size else ''}budget {self.budget}"
         chunked = f"; prefilled in chunks of {self.chunk}" if self.chunk is not None else ""
         words = ", whole words" if self.whole_words else ""
+        words += ", numbers with their neighbours" if self.numbers_with_neighbours else ""
+        words += ", budgets per layer from 1.5x to 0.5x" if self.pyramid else ""
         return f"{method.name} {size} (window {self.window}{', ' + extras if extras else ''}{words}{chunked})"
 
 
@@ -197,6 +222,8 @@ class SnapKVConfig:
     store_kernel: pooling width over the stored tier's scores, for methods that pool (None: `kernel` for the
                   methods that score as SnapKV does, the method's own default for the others).
     whole_words:  query-aware: each question's cut keeps or drops a word (a number, a code, a name) whole (Cut).
+    pyramid, numbers_with_neighbours: query-aware: the question's cut with budgets per layer, or numbers ranked with the
+                  words either side (Cut); measured, not the default (docs/how-it-works.md, "Defaults, and why").
     prefill_chunk: prefill prompts longer than this in chunks of this many tokens, cutting every layer back
                   after each chunk with SnapKV (the chunk's tail as the window): memory bounded, attention cost
                   linear. The stored tier is then made that way: `budget` positions (document-window), or
@@ -223,6 +250,8 @@ class SnapKVConfig:
     store_kernel: int | None = None
     prefill_chunk: int | None = None
     whole_words: bool = True
+    pyramid: bool = False
+    numbers_with_neighbours: bool = False
 
     def __post_init__(self) -> None:
         self.cut  # validates budget, window and the method's own settings
@@ -246,7 +275,8 @@ class SnapKVConfig:
     @property
     def cut(self) -> Cut:
         """The cut at `budget` these settings describe."""
-        return Cut(self.budget, self.window, self.scorer, whole_words=self.whole_words)
+        return Cut(self.budget, self.window, self.scorer, whole_words=self.whole_words, pyramid=self.pyramid,
+                   numbers_with_neighbours=self.numbers_with_neighbours)
 
     @property
     def store_scorer(self) -> Method:
@@ -269,7 +299,7 @@ class SnapKVConfig:
             bound = self.budget if not self.query_aware else self.store_budget or CHUNKED_STORE_FACTOR * self.budget
             return Cut(bound, self.window, self.scorer, chunk=self.prefill_chunk)
         if not self.query_aware:
-            return replace(self.cut, whole_words=False)  # the prompt's tail as the window: no words to keep whole
+            return replace(self.cut, whole_words=False, pyramid=False, numbers_with_neighbours=False)  # the prompt's tail as the window: no words to keep whole
         if self.store_budget is None and (self.store_keep is None or self.store_keep >= 1):
             return None  # the whole prompt
         return Cut(self.store_budget, self.window, self.store_scorer, self.store_keep)

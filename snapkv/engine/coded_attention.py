@@ -78,12 +78,13 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     _, heads, rows, head_dim = query.shape
     kv_heads, stored, _ = layer.stored_keys.shape
     window = min(plan.window, rows)
+    prefix_keep = plan.prefix_keep_at(module.layer_idx)
     if (parts is None or not _readable(parts, head_dim) or query.shape[0] != 1 or heads % kv_heads
             or any(t.dtype != torch.float32 for t in (query, key, value))
-            or stored + rows <= plan.prefix_keep + window):
+            or stored + rows <= prefix_keep + window):
         return None
     group = heads // kv_heads
-    kept = min(plan.prefix_keep, stored + rows - window) + window
+    kept = min(prefix_keep, stored + rows - window) + window
     rotated = any(keys.scheme.rotated or values.scheme.rotated for keys, values in parts)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     output = torch.empty(kv_heads, group * rows, head_dim)  # each KV head's query heads' rows, one after another
@@ -106,7 +107,7 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             int(parts[0][1].scheme.rotated), native.pointer(key, fp32, own), native.pointer(value, fp32, own),
             None if sharp is None else native.pointer(sharp, torch.bool, (kv_heads, stored)), method.kernel,
             int(method.pooling == "max"), getattr(method, "size", 1),
-            None if words is None else native.pointer(words, torch.int64), plan.prefix_keep, window,
+            None if words is None else native.pointer(words, torch.int64), prefix_keep, window,
             native.pointer(output, fp32),
             native.pointer(indices, torch.int64), kept, native.pointer(kept_keys, fp32),
             native.pointer(kept_values, fp32), torch.get_num_threads()) != 0:

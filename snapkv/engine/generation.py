@@ -180,8 +180,9 @@ def answer(
     q = question_ids.shape[0]
     start = cache.original_length
     plan = None
-    if per_question is not None and cache.kept_tokens > per_question.prefix_keep:
-        plan = CompressionPlan(per_question, window=q)
+    layers = cache.num_layers
+    if per_question is not None and cache.kept_tokens > per_question.prefix_keep_at(layers - 1, layers):
+        plan = CompressionPlan(per_question, window=q, layers=layers)
         if per_question.whole_words and words is not None:
             # per layer (kv_heads, kept): the word of each position it holds
             plan.words = [words[held.cpu()] for held in cache.positions]

@@ -99,6 +99,7 @@ class Prompter:
         self.tokenizer = tokenizer
         self.system = system
         self._starts: torch.Tensor | None = None  # which tokens start a word (word_ids), made on first use
+        self._digit_tokens: torch.Tensor | None = None  # which tokens hold a digit (word_ids), made on first use
         self.head_ids = _template_ids(tokenizer, template.head)
         self.middle_ids = _template_ids(tokenizer, template.middle)
         self.tail_ids = _template_ids(tokenizer, template.tail)
@@ -106,14 +107,27 @@ class Prompter:
         self.after_answer_ids = _template_ids(tokenizer, turn.after_answer)
         self.follow_up_tail_ids = _template_ids(tokenizer, turn.tail)
 
-    def word_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def word_ids(self, token_ids: torch.Tensor, numbers_with_neighbours: bool = False) -> torch.Tensor:
         """(n,) token ids -> (n,) int64 word ids, ascending: a token that starts with white space (or is a special
         token) starts a new word, any other continues the one before, so that "2,150", "IRCS-2021-04817" or "1.84"
-        is one word however many tokens it takes (snapkv.compression.scoring.word_maxima)."""
-        starts = self._word_starts()[token_ids.cpu()]  # (n,) bool
-        if starts.numel():
-            starts[0] = True
-        return starts.long().cumsum(0)
+        is one word however many tokens it takes (snapkv.compression.scoring.word_maxima).
+
+        numbers_with_neighbours: a word with a digit in it is one with the words either side of it, so that
+        "on 14 March 2025 at" or "was 2,150 feet" ranks as one."""
+        token_ids = token_ids.cpu()
+        starts = self._word_starts()[token_ids]  # (n,) bool
+        if not starts.numel():
+            return starts.long()
+        starts[0] = True
+        words = starts.long().cumsum(0)  # (n,) from 1
+        if numbers_with_neighbours:
+            digits = torch.zeros(int(words[-1]) + 1, dtype=torch.long)  # (words + 1,): digit tokens in word w
+            numeric = digits.index_add_(0, words, self._digits()[token_ids].long()) > 0
+            # a word joins the one before where either of them holds a digit
+            joined = starts & (numeric[words] | numeric[words - 1])
+            joined[0] = False
+            words = (starts & ~joined).long().cumsum(0)
+        return words
 
     def _word_starts(self) -> torch.Tensor:
         """(vocabulary,) bool: which tokens start a word, from the tokens' own text (byte-level BPE's Ġ/Ċ, or
@@ -127,6 +141,15 @@ class Prompter:
                                          or piece[0].isspace() for index, piece in enumerate(
                                              p if isinstance(p, str) else "" for p in pieces)], dtype=torch.bool)
         return self._starts
+
+    def _digits(self) -> torch.Tensor:
+        """(vocabulary,) bool: which tokens hold a digit, computed once."""
+        if self._digit_tokens is None:
+            size = self._word_starts().shape[0]
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(size)))
+            self._digit_tokens = torch.tensor([isinstance(p, str) and any(c.isdigit() for c in p) for p in pieces],
+                                              dtype=torch.bool)
+        return self._digit_tokens
 
     @property
     def overhead(self) -> int:

@@ -87,7 +87,25 @@ def needle_documents(tokenizer, lengths: list[int], depths: list[float]) -> list
 
 
 _SETTING_NAME = re.compile(
-    r"(?:(full)|(\S+) @(\d+%?|\d+\.\d+%)(?: (?!words\b)([a-z][\w-]*))?( words)?(?: k(\d+))?)(?: \[(\w+)\])?")
+    r"(?:(full)|(\S+) @(\d+%?|\d+\.\d+%)(?: (?!(?:words|numbers|pyramid)\b)([a-z][\w-]*))?( words)?( numbers)?( pyramid)?(?: k(\d+))?)"
+    r"(?: \[(\w+)\])?")
+
+# what may follow a method's name in --cut-methods (snapkv+words+pyramid): the cut keeps words whole
+# (Cut.whole_words), numbers with their neighbours too (Cut.numbers_with_neighbours), its budget differs by layer
+# (Cut.pyramid)
+CUT_FLAGS = ("words", "numbers", "pyramid")
+
+
+def cut_method_parts(text: str) -> tuple[str, dict[str, bool]]:
+    """"snapkv+words+pyramid" -> ("snapkv", {"words": True, "numbers": False, "pyramid": True}): the method's name
+    and its CUT_FLAGS; ValueError for an unknown flag, or numbers without words."""
+    name, *flags = text.strip().split("+")
+    unknown = [flag for flag in flags if flag not in CUT_FLAGS]
+    if unknown:
+        raise ValueError(f"+{', +'.join(unknown)} after {name!r}: the flags are +{', +'.join(CUT_FLAGS)}")
+    if "numbers" in flags and "words" not in flags:
+        raise ValueError(f"{text.strip()}: +numbers goes with +words (numbers are kept whole with their neighbours)")
+    return name, {flag: flag in flags for flag in CUT_FLAGS}
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,8 @@ class Setting:
     kernel: int | None = None
     computation: str = ""
     words: bool = False  # the cut keeps words whole (Cut.whole_words)
+    pyramid: bool = False  # the cut's budget differs by layer (Cut.pyramid)
+    numbers: bool = False  # with words: numbers kept whole with their neighbours (Cut.numbers_with_neighbours)
 
     @property
     def full(self) -> bool:
@@ -121,6 +141,8 @@ class Setting:
             name = f"{self.bits} @{self.budget}" if self.keep is None else f"{self.bits} @{self.keep:.0%}"
             name += "" if self.method == "snapkv" else f" {self.method}"
             name += " words" if self.words else ""
+            name += " numbers" if self.numbers else ""
+            name += " pyramid" if self.pyramid else ""
             name += "" if self.kernel is None else f" k{self.kernel}"
         return name + (f" [{self.computation}]" if self.computation else "")
 
@@ -130,17 +152,18 @@ class Setting:
         match = _SETTING_NAME.fullmatch(name.strip())
         if match is None:
             raise ValueError(f"not a fidelity setting's name: {name!r}")
-        full, bits, size, method, words, kernel, computation = match.groups()
+        full, bits, size, method, words, numbers, pyramid, kernel, computation = match.groups()
         if full:
             return cls(Bits(16), None, computation=computation or "")
         budget, keep = (None, float(size[:-1]) / 100) if size.endswith("%") else (int(size), None)
         return cls(Bits.parse(bits), budget, keep, method or "snapkv", int(kernel) if kernel else None,
-                   computation or "", bool(words))
+                   computation or "", bool(words), bool(pyramid), bool(numbers))
 
     def config(self, base: SnapKVConfig) -> SnapKVConfig:
         return replace(base, store_bits=self.bits, store_keep=None, store_budget=None,
                        budget=self.budget or base.budget, query_aware=True, method=self.method,
-                       kernel=self.kernel or base.kernel, whole_words=self.words)
+                       kernel=self.kernel or base.kernel, whole_words=self.words, pyramid=self.pyramid,
+                       numbers_with_neighbours=self.numbers)
 
     def per_question(self, base: SnapKVConfig) -> Cut | None:
         """The cut each question makes (None: the full cache); a share is sized per document when answered."""
@@ -186,13 +209,13 @@ def settings_for(tiers: list[Bits], budget: int, budgets: list[int | tuple] | No
     wanted = [FULL]
     if floor:
         wanted.append(replace(FULL, computation=floor))
-    cuts = [(method.removesuffix("+words"), method.endswith("+words")) for method in methods or ["snapkv"]]
-    for name, words in cuts:  # a method's name, or NAME+words (the cut keeps words whole)
+    cuts = [cut_method_parts(method) for method in methods or ["snapkv"]]
+    for name, flags in cuts:  # a method's name and its flags (cut_method_parts)
         for kernel in kernels or [None]:
-            wanted += [Setting(Bits(16), b, k, name, kernel, words=words) for b, k in sizes if (b, k) != (None, None)]
+            wanted += [Setting(Bits(16), b, k, name, kernel, **flags) for b, k in sizes if (b, k) != (None, None)]
     if tiers:  # cut as the first method cuts
-        name, words = cuts[0]
-        wanted += [Setting(bits, budget, method=name, words=words) for bits in (Bits(16), *tiers)]
+        name, flags = cuts[0]
+        wanted += [Setting(bits, budget, method=name, **flags) for bits in (Bits(16), *tiers)]
     return list(dict.fromkeys(wanted))
 
 

@@ -19,7 +19,8 @@ RESULTS: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("benchmarks/results/fidelity-fp32-budget4096.json",), ""),
     (("benchmarks/results/fidelity-fp32-budget4096-system.json",), DEFAULT_SYSTEM),
     (("benchmarks/results/fidelity-cut-fp32-long.json", "benchmarks/results/fidelity-cut-fp32-new.json",
-      "benchmarks/results/fidelity-cut-fp32-words.json", "benchmarks/results/fidelity-floor-bf16.json",
+      "benchmarks/results/fidelity-cut-fp32-words.json", "benchmarks/results/fidelity-cut-fp32-pyramid.json",
+      "benchmarks/results/fidelity-cut-fp32-numbers.json", "benchmarks/results/fidelity-floor-bf16.json",
       "benchmarks/results/fidelity-storage-fp32-2048-words.json"), None),
 )
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "storage" / "measured.json"
@@ -78,7 +79,9 @@ def entries_of(data: dict, source: str, system: str | None) -> list[dict]:
                 "answers": answers, "questions": comparison.questions, "identical": comparison.agreed,
                 "changed": comparison.changed, "changed_right": comparison.changed_right, "lost": comparison.lost,
                 "gained": comparison.gained, "smaller": round(comparison.bytes_ratio, 3) if kind == "storage" else 0.0,
-                "beyond_floor": comparison.beyond_floor, "cpu": data.get("cpu", ""), "source": source})
+                "beyond_floor": comparison.beyond_floor, "cpu": data.get("cpu", ""), "source": source,
+                **({"pyramid": True} if setting.pyramid else {}),
+                **({"numbers_with_neighbours": True} if setting.numbers else {})})
     return entries
 
 

@@ -113,9 +113,11 @@ def check_cut(field: str, value) -> None:
     _whole(f"{field}.prefill_chunk", cut.get("prefill_chunk"), 1, MAX_POSITIONS, optional=True)
     _text(f"{field}.method", cut.get("method"), choices=tuple(sorted(METHODS)))
     settings = {"kernel", "pooling", "chunk", "overlap", "tail", "questions", "size"}
-    _known_keys(field, cut, {"budget", "window", "keep", "prefill_chunk", "method", "whole_words"} | settings)
-    if "whole_words" in cut and not isinstance(cut["whole_words"], bool):
-        raise SchemaError(f"{field}.whole_words", f"true or false is needed, got {_shown(cut['whole_words'])}")
+    _known_keys(field, cut, {"budget", "window", "keep", "prefill_chunk", "method", "whole_words", "pyramid",
+                             "numbers_with_neighbours"} | settings)
+    for flag in ("whole_words", "pyramid", "numbers_with_neighbours"):
+        if flag in cut and not isinstance(cut[flag], bool):
+            raise SchemaError(f"{field}.{flag}", f"true or false is needed, got {_shown(cut[flag])}")
     if "kernel" in cut:
         _whole(f"{field}.kernel", cut["kernel"], 1, MAX_KERNEL)
         if cut["kernel"] % 2 == 0:

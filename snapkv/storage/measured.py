@@ -45,10 +45,14 @@ class Measured:
     beyond_floor: bool | None  # beyond the run's noise floor by more than chance (None: no floor measured)
     cpu: str
     source: str                # the result file it was computed from
+    pyramid: bool = False      # the cut's budget differs by layer (snapkv.compression.config.Cut.pyramid)
+    numbers_with_neighbours: bool = False  # numbers kept whole with the words either side (Cut's flag)
 
     def describe(self) -> str:
         cut = f"{self.budget}{' by ' + self.method if self.method != 'snapkv' else ''}" + (
-            ", whole words" if self.whole_words else "")
+            ", whole words" if self.whole_words else "") + (
+            ", numbers with their neighbours" if self.numbers_with_neighbours else "") + (
+            ", budgets per layer" if self.pyramid else "")
         what = {"storage": f"{self.bits} bits against 16 bits, both cut to {cut}",
                 "compression": f"the cut to {cut} against the full cache",
                 "floor": "the noise floor (a second engine)"}[self.kind]
@@ -78,11 +82,13 @@ def measured_for(model: str, bits: "Bits | int | str", cut: dict | None,
         return []
     if system_sha256 is None or not cut or cut.get("budget") is None or cut.get("keep") is not None:
         return []
-    method, kernel, words = cut.get("method"), cut.get("kernel"), bool(cut.get("whole_words", False))
+    method, kernel = cut.get("method"), cut.get("kernel")
+    flags = tuple(bool(cut.get(flag, False)) for flag in ("whole_words", "pyramid", "numbers_with_neighbours"))
     found: dict[str, Measured] = {}
     for entry in all_measured():
         if (entry.model != model or entry.system_sha256 != system_sha256 or entry.budget != cut["budget"]
-                or entry.kind == "floor" or (entry.method, entry.kernel, entry.whole_words) != (method, kernel, words)):
+                or entry.kind == "floor" or (entry.method, entry.kernel) != (method, kernel)
+                or (entry.whole_words, entry.pyramid, entry.numbers_with_neighbours) != flags):
             continue
         if (entry.kind == "storage" and entry.bits == wanted) or entry.kind == "compression":
             found[entry.kind] = entry
