@@ -121,7 +121,7 @@ def _runs_on_server(argv: list[str]) -> bool:
         return False
     if serve.IN_SERVER:
         return False
-    return not {"--no-server", "--help", "-"} & set(argv)
+    return not {"--no-server", "--help", "-h", "-"} & set(argv)
 
 
 def _stdin_as_source(argv: list[str]) -> list[str]:

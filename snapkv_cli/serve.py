@@ -258,7 +258,9 @@ class _Frames(io.TextIOBase):
         self._connection, self._kind, self._lock, self._terminal = connection, kind, lock, terminal
         self.gone = False
 
-    def write(self, text: str) -> int:
+    def write(self, text: str | bytes) -> int:
+        if isinstance(text, (bytes, bytearray)):  # click writes bytes where it takes the stream for a binary one
+            text = bytes(text).decode("utf-8", errors="replace")
         if self.gone or not text:
             return len(text)
         try:

@@ -76,7 +76,7 @@ def serve_http(address: str, api_key: str | None, queue: int, model: str | None,
         try:
             import uvicorn  # noqa: F401  (checked before the model loads)
 
-            from snapkv.serving.openai_app import OpenAIApp
+            from snapkv.serving.openai_app import OpenAIApp, server_config
         except ImportError as error:
             raise ConfigError(f"snapkv serve --http needs {error.name}: pip install starlette uvicorn") from None
         listener = bound_socket(host, port)
@@ -92,5 +92,4 @@ def serve_http(address: str, api_key: str | None, queue: int, model: str | None,
     app = OpenAIApp(ChatService(loaded, DEFAULTS, shared, truncate=truncate, cite=cite), api_key=api_key, queue=queue)
     print(f"snapkv: serving {loaded.name} at {api_url(host, port)} (OpenAI-compatible; "
           f"{'API key required' if api_key else 'no API key'}; Ctrl-C stops)", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app.asgi, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[listener])
+    uvicorn.Server(server_config(app.asgi)).run(sockets=[listener])

@@ -7,6 +7,7 @@ load it as it is).
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -54,6 +55,10 @@ def _replica_resources(ray, device: str, replicas: int | tuple[int, int], cpus: 
     return cpus, 1.0 if wants_gpu else 0.0
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def serve_ray(address: str, replicas_text: str, replica_cpus: float | None, http: str, api_key: str | None,
               queue: int, model: str | None, device: str, dtype: str, truncate: str | None, cite: bool,
               store: str | None) -> None:
@@ -94,6 +99,9 @@ def serve_ray(address: str, replicas_text: str, replica_cpus: float | None, http
 
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's INFO lines about its own start
     ray.init(address=None if address == LOCAL else address, include_dashboard=False, logging_level="WARNING")
+    # a service manager's stop (SIGTERM, `timeout`) ends it as Ctrl-C does; set after ray.init, whose own handler
+    # exits at once and leaves Ray's threads to abort with C stack frames
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         cpus, gpus = _replica_resources(ray, device, replicas, replica_cpus)
         settings = ray_app.ReplicaSettings(model, device, dtype, store, api_key, queue, truncate, cite)

@@ -2,6 +2,7 @@
 (uvicorn on a free loopback port, the embedded model), and its request checks on their own."""
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -16,7 +17,7 @@ from snapkv.compression.config import DEFAULTS  # noqa: E402
 from snapkv.io.documents import Document  # noqa: E402
 from snapkv.serving.chat_request import RequestError, parse_chat_request  # noqa: E402
 from snapkv.serving.chat_service import ChatService, StopScanner  # noqa: E402
-from snapkv.serving.openai_app import OpenAIApp  # noqa: E402
+from snapkv.serving.openai_app import MAX_HEAD_BYTES, OpenAIApp, server_config  # noqa: E402
 from snapkv.session import Session  # noqa: E402
 from snapkv.storage.store import CacheStore  # noqa: E402
 
@@ -35,8 +36,7 @@ def server(embedded, tmp_path_factory):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
-    config = uvicorn.Config(app.asgi, log_level="warning", access_log=False)
-    running = uvicorn.Server(config)
+    running = uvicorn.Server(server_config(app.asgi))  # as snapkv serve --http runs it
     thread = threading.Thread(target=running.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{listener.getsockname()[1]}"
@@ -237,6 +237,49 @@ def test_a_body_that_is_not_json_or_too_large_is_refused_before_it_is_read_whole
         assert json.load(response)["status"] == "ok"
 
 
+def _raw(server, data: bytes, *, then_close: bool = True, wait: float = 5.0) -> bytes:
+    """Bytes sent as they are on a socket of their own; what came back before the server closed it or `wait` ran out
+    (then_close: the client closes its side first, as one that leaves does)."""
+    host, port = server[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as connection:
+        connection.sendall(data)
+        if then_close:
+            connection.shutdown(socket.SHUT_WR)
+        received = b""
+        try:
+            while chunk := connection.recv(65536):
+                received += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    return received
+
+
+def test_hostile_requests_get_a_4xx_and_leave_no_traceback(server, caplog):
+    """Clients that leave while sending their body (short of its length, a broken chunk, an endless chunked body cut
+    off), a lone surrogate, a head past MAX_HEAD_BYTES and a 1 MB model name: each a 4xx or a closed connection,
+    none a 5xx or a traceback on the server's stderr, and the server answers after them all."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n")
+    caplog.set_level(logging.INFO)
+    _raw(server, (head + "Content-Length: 1000\r\n\r\n").encode() + b'{"model": "snapkv", "mess')  # short
+    _raw(server, (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"zz\r\n{}\r\n")  # a bad chunk size
+    _raw(server, (head + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"5\r\n[1,2,\r\n" * 50)  # no end
+    status, body = _post(server, json.dumps({"model": "snapkv", "messages": _messages("Who\ud800?")}).encode())
+    assert status == 400 and body["error"]["code"] == "invalid_text"
+    for padding, taken in ((MAX_HEAD_BYTES // 2, True), (4 * MAX_HEAD_BYTES, False)):
+        answer = _raw(server, (head + "X-Padding: " + "a" * padding + "\r\nContent-Length: 2\r\n\r\n{}").encode(),
+                      then_close=False)
+        # under the bound the app reads it (and refuses {}); past it the parser refuses it unread (or closes)
+        assert (b'"param":"model"' in answer) == taken and answer.startswith(b"HTTP/1.1 400") | (answer == b"")
+    status, body = _post(server, json.dumps({"model": "m" * (1 << 20), "messages": _messages("Who?")}).encode())
+    assert status == 404 and len(body["error"]["message"]) < 300 and "1048576 characters" in body["error"]["message"]
+    time.sleep(0.5)  # a traceback would be written as the connection ends
+    failed = [record.getMessage() for record in caplog.records if record.exc_info or record.levelno >= logging.ERROR]
+    assert failed == []  # uvicorn logs an application's exception ("Exception in ASGI application") with its traceback
+    with urllib.request.urlopen(server[0] + "/health", timeout=5) as response:
+        assert json.load(response)["status"] == "ok"
+
+
 def test_a_document_the_model_cannot_hold_is_a_400_saying_so(server):
     with pytest.raises(openai.BadRequestError) as refused:
         _client(server).chat.completions.create(model="snapkv", messages=_messages("Who?", "word " * 40000),
@@ -302,6 +345,13 @@ def test_a_request_is_read_as_a_document_and_a_question():
       "snapkv": {"budget": 64}}, "snapkv"),
     ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
       "snapkv": True}, "snapkv"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d\ud800"}, {"role": "user", "content": "q"}]},
+     "messages[0].content"),  # a lone surrogate: JSON takes it, no tokenizer does
+    ({"model": "m", "messages": [{"role": "user", "content": "d"},
+                                 {"role": "user", "content": [{"type": "text", "text": "q\udfff"}]}]},
+     "messages[1].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "d"}, {"role": "user", "content": "q"}],
+      "stop": ["\ud800"]}, "stop"),
 ])
 def test_a_request_snapkv_cannot_answer_is_refused_naming_the_field(body, param):
     with pytest.raises(RequestError) as refused:

@@ -188,6 +188,17 @@ def test_the_server_survives_bad_clients_and_always_stops(home):
             client.close()
         answer = _cli("ask", SAMPLE, "What was the 2023 revenue?", "--max-new-tokens", "20", "-q", env=env, timeout=300)
         assert answer.returncode == 0 and "184.6" in answer.stdout, answer.stderr
+        # help asked of the server itself (click writes it as bytes where the stream is not a terminal), and `ask -h`
+        # with stdin not a terminal, which stays here as --help does
+        client = socket.socket(socket.AF_UNIX)
+        client.connect(str(path))
+        client.sendall(json.dumps({"argv": ["ask", "-h"], "cwd": "/", "env": {}, "terminal": []}).encode() + b"\n")
+        messages = [json.loads(line) for line in client.makefile().read().splitlines()]
+        client.close()
+        assert messages[-1] == {"exit": 0} and "Usage" in "".join(m.get("out", "") for m in messages)
+        shown = subprocess.run([sys.executable, "-m", "snapkv_cli", "ask", "-h"], env=env, input="", text=True,
+                               capture_output=True, timeout=120)
+        assert shown.returncode == 0 and "Usage" in shown.stdout and not shown.stderr, shown.stderr
         # a stop while an answer runs: it stops now, not after the answer
         long_document = home.parent / "long.txt"  # a prefill of many seconds
         long_document.write_text(" ".join(f"Entry {i} records {i * 7} units." for i in range(500)))

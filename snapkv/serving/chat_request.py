@@ -73,11 +73,21 @@ class ChatRequest:
     ignored: list[str] = field(default_factory=list)  # parameters accepted and not acted on
 
 
+def _encodable(text: str, where: str) -> str:
+    """The text, where it is UTF-8 (JSON lets a lone surrogate such as "\\ud800" through; no tokenizer takes one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise RequestError(f"{where} holds {error.object[error.start:error.end]!a} at character {error.start}, which "
+                           "is not text (a lone UTF-16 surrogate)", param=where, code="invalid_text") from None
+    return text
+
+
 def _text_of(content, index: int) -> str:
     """A message's content: a string, or a list of {"type": "text", "text": ...} parts joined."""
     where = f"messages[{index}].content"
     if isinstance(content, str):
-        return content
+        return _encodable(content, where)
     if isinstance(content, list):
         texts = []
         for number, part in enumerate(content):
@@ -86,7 +96,7 @@ def _text_of(content, index: int) -> str:
                 raise RequestError(f"{where}[{number}] is a {kind!r} part; snapkv reads text parts only",
                                    param=f"{where}[{number}]", code="unsupported_content")
             texts.append(part["text"])
-        return "".join(texts)
+        return _encodable("".join(texts), where)
     raise RequestError(f"{where} must be a string or a list of text parts", param=where)
 
 
@@ -111,7 +121,7 @@ def _stop(body: dict) -> tuple[str, ...]:
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
         raise RequestError(f"stop must be a string or a list of at most {MAX_STOP_SEQUENCES} non-empty strings of "
                            f"at most {MAX_STOP_CHARS} characters", param="stop")
-    return tuple(stops)
+    return tuple(_encodable(stop, "stop") for stop in stops)
 
 
 def _cite(body: dict) -> bool | None:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -34,6 +34,25 @@ MAX_BODY_BYTES = 32 << 20   # a request's JSON: a long document's text (a 128k-t
 DEFAULT_QUEUE = 8           # requests that may wait for the one being answered
 POLL_SECONDS = 0.25         # how often a waiting request checks whether its client is still there
 MODEL_ALIAS = "snapkv"      # answers as the served model too
+MAX_HEAD_BYTES = 64 << 10   # a request line and its headers (a browser sends under 8 KB, a long bearer key under 1 KB)
+
+
+SHOWN_CHARS = 80  # the most of a client's own value an error message repeats
+
+
+def shown(value: str) -> str:
+    """A client's value as an error message quotes it: repr, cut to SHOWN_CHARS characters."""
+    return repr(value) if len(value) <= SHOWN_CHARS else repr(value[:SHOWN_CHARS]) + f"... ({len(value)} characters)"
+
+
+def server_config(asgi, **settings):
+    """uvicorn's settings for this app: h11 with a bound on a request's head (httptools reads headers of any size:
+    48 MB were taken, at a cost growing with the square of their size; past MAX_HEAD_BYTES h11 answers 431 and
+    closes), no access log, 5 s for answers under way when stopped."""
+    import uvicorn
+
+    return uvicorn.Config(asgi, log_level="warning", access_log=False, timeout_graceful_shutdown=5, http="h11",
+                          h11_max_incomplete_event_size=MAX_HEAD_BYTES, **settings)
 
 
 def error_response(error: RequestError) -> JSONResponse:
@@ -61,11 +80,14 @@ async def read_body(request: Request) -> bytes:
     if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
         raise RequestError(f"the body is over {MAX_BODY_BYTES >> 20} MB", status=413, code="body_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise RequestError(f"the body is over {MAX_BODY_BYTES >> 20} MB", status=413, code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise RequestError(f"the body is over {MAX_BODY_BYTES >> 20} MB", status=413, code="body_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:  # it left (or broke its chunked body) before the end: no one to answer
+        raise RequestError("the client went away before its body ended", code="client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -163,7 +185,7 @@ class OpenAIApp:
         try:
             chat = parse_chat_request(await _json_body(request))
             if chat.model not in (self.service.model_id, MODEL_ALIAS):
-                raise RequestError(f"model {chat.model!r} is not served here; this server answers with "
+                raise RequestError(f"model {shown(chat.model)} is not served here; this server answers with "
                                    f"{self.service.model_id!r}", status=404, param="model", code="model_not_found")
             if self.in_flight >= self._limit:
                 raise RequestError(f"{self.in_flight} requests are already being answered or waiting; try again "
