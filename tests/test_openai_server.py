@@ -97,6 +97,30 @@ def test_answers_streamed_and_not_equal_the_librarys_and_a_second_question_reuse
     assert again.choices[0].message.content == expected  # from the reused cache: the same answer
 
 
+def test_one_message_and_llms_follow_ups_reuse_the_documents_cache(server, embedded, tmp_path):
+    """The layout most scripts send (document and question in one user message) answers as the library does and its
+    next question hits; llm's `-s DOCUMENT "Q1"` then `-c "Q2"` (the system message, then the turns) hits too."""
+    client = _client(server)
+    session = Session(embedded, DEFAULTS, store=CacheStore(tmp_path / "store"))
+    document = DOCUMENT + " (edition C)"
+    one = client.chat.completions.create(model="snapkv", max_tokens=32, messages=[
+        {"role": "user", "content": document + "\n\nWho is the chief executive?"}])
+    expected = "".join(session.ask(session.prepare(Document(document)), "Who is the chief executive?",
+                                   max_new_tokens=32))
+    assert one.choices[0].message.content == expected and one.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(model="snapkv", max_tokens=8, messages=[
+        {"role": "user", "content": document + "\n\nHow many people does it employ?\n"}])  # open(f).read()'s newline
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    report = DOCUMENT + " (edition D)"
+    asked = [{"role": "system", "content": report}, {"role": "user", "content": "Who is the chief executive?"}]
+    first = client.chat.completions.create(model="snapkv", max_tokens=16, messages=asked)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    follow_up = client.chat.completions.create(model="snapkv", max_tokens=8, messages=[
+        *asked, {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "When did she join?"}])
+    assert follow_up.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_a_conversation_sees_its_earlier_turns_and_each_turn_costs_its_own_tokens(server, embedded, tmp_path):
     client = _client(server)
     document = DOCUMENT + " (edition C)"
@@ -306,18 +330,36 @@ def test_a_request_is_read_as_a_document_and_a_question():
         {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
         {"role": "user", "content": "Q3"}]})
     assert (talk.document, talk.turns, talk.question) == ("The document.", (("Q1", "A1"), ("Q2", "A2")), "Q3")
-    # the document inside the first question (a system message or not), or messages that do not alternate (a
-    # question left unanswered by an error): everything before the question is the document, no turns
-    for messages in ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Doc and Q1"},
-                      {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}],
-                     [{"role": "user", "content": "Doc and Q1"}, {"role": "assistant", "content": "A1"},
-                      {"role": "user", "content": "Q2"}]):
-        inside = parse_chat_request({"model": "m", "messages": messages})
-        assert (inside.document, inside.turns, inside.question) == ("Doc and Q1\n\nA1", (), "Q2")
+    # llm -s REPORT "Q1", then llm -c "Q2": the system message is the document in both requests, the second's
+    # earlier question and answer its turn (the same document, so the same cache)
+    first = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
+                                                           {"role": "user", "content": "Q1"}]})
+    follow_up = parse_chat_request({"model": "m", "messages": [
+        {"role": "system", "content": "The report."}, {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"}, {"role": "user", "content": "Q2"}]})
+    assert (first.system, first.document, first.turns) == (None, "The report.", ())
+    assert (follow_up.system, follow_up.document, follow_up.turns, follow_up.question) == (
+        None, "The report.", (("Q1", "A1"),), "Q2")
+    # the document inside the first question with no system message, or messages that do not alternate (a question
+    # left unanswered by an error): everything before the question is the document, no turns
+    inside = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "Doc and Q1"}, {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"}]})
+    assert (inside.document, inside.turns, inside.question) == ("Doc and Q1\n\nA1", (), "Q2")
     unanswered = parse_chat_request({"model": "m", "messages": [
         {"role": "user", "content": "Doc"}, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
         {"role": "user", "content": "Q2"}, {"role": "user", "content": "Q2 again"}]})
     assert (unanswered.document, unanswered.turns) == ("Doc\n\nQ1\n\nA1\n\nQ2", ())
+    # the document and the question in one message: the question its last paragraph (or line), or its first where
+    # only that reads as one; the document the same whatever white space ends it
+    for text, question in (("Para one.\n\nPara two.\n\nWhat is X?\n", "What is X?"),
+                           ("Answer from this report:\n\nPara one.\n\nPara two.", "Answer from this report:"),
+                           ("Para one.\n\nPara two.\n\nSummarise it.", "Summarise it."),
+                           ("Para one.\nPara two.\nWhat is X?", "What is X?")):
+        both = parse_chat_request({"model": "m", "messages": [{"role": "user", "content": text}]})
+        assert both.question == question and both.document.replace("\n\n", "\n") == "Para one.\nPara two."
+    assert parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "Para one.\n\nPara two.\n\n\nWhat is X?"}]}).document == "Para one.\n\nPara two."
     alone = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
                                                            {"role": "user", "content": "What does it say?"}]})
     assert (alone.system, alone.document, alone.question) == (None, "The report.", "What does it say?")

@@ -9,7 +9,8 @@ The API's conventions (https://platform.openai.com/docs/api-reference/chat/creat
                                   comes before that one and they alternate, the conversation's finished turns
     system / developer messages   the system message the document is prompted with (part of its cache key); the
                                   document itself where no other message comes before the question
-    the last user message         the question, the query-aware window that cuts the document's cache
+    the last user message         the question, the query-aware window that cuts the document's cache; where it
+                                  is the only message, its last paragraph (_split_one_message), the rest the document
 
 snapkv's own options ride in a `snapkv` object: {"snapkv": {"cite": true}} lists the passages the answer drew on in
 the response's `snapkv.citations` (extra_body with the openai client).
@@ -149,17 +150,37 @@ def _turns(conversation: list[tuple[str, str]]) -> tuple[tuple[str, str], ...] |
 def _document_and_turns(texts: list[tuple[str, str]], systems: list[str]) -> tuple[str, tuple, list[str]]:
     """(the document, the finished turns, the system messages left as the system prompt) from the user and assistant
     texts before the question. The turns start at the user message before the first assistant message and alternate
-    from there; what comes before it is the document. Where no message comes before it (the document inside the
-    first question) or they do not alternate, everything before the question is the document, as without turns; with
-    no message at all before the question, the system messages are the document (`llm -s DOCUMENT QUESTION`)."""
+    from there; what comes before it is the document. With no message at all before the question, or none before the
+    first turn, the system messages are the document (`llm -s DOCUMENT QUESTION`, then `llm -c` sends the same system
+    message and the turns: the same document, so the same cache). Where no message comes before the first turn and no
+    system message either (the document inside the first question), or they do not alternate, everything before the
+    question is the document, as without turns."""
     if not texts and systems:
         return "\n\n".join(systems), (), []
     roles = [role for role, _ in texts]
     first = roles.index("assistant") - 1 if "assistant" in roles else -1  # the first turn's question
+    if first == 0 and systems and (turns := _turns(texts)) is not None:
+        return "\n\n".join(systems), turns, []
     turns = _turns(texts[first:]) if first >= 1 else None
     if turns is None:
         return "\n\n".join(text for _, text in texts), (), systems
     return "\n\n".join(text for _, text in texts[:first]), turns, systems
+
+
+def _split_one_message(text: str) -> tuple[str, str] | None:
+    """(document, question) of a message that holds both, the layout most scripts send: the question is the last
+    paragraph (or, with no blank line, the last line), unless that does not read as a question and the first
+    paragraph does ("Answer from this report:", "What was the revenue?"), which is then the question; None where the
+    message is one paragraph of one line. The document's own trailing white space is not part of it, so that
+    `$(cat f)` and `open(f).read()` are the same document."""
+    separator = "\n\n" if "\n\n" in text.strip() else "\n"
+    parts = [part for part in text.strip().split(separator) if part.strip()]
+    if len(parts) < 2:
+        return None
+    first, last = parts[0].strip(), parts[-1].strip()
+    if not last.endswith("?") and first.endswith(("?", ":")):
+        return separator.join(parts[1:]).strip(), first
+    return separator.join(parts[:-1]).strip(), last
 
 
 def _refuse_unsupported(body: dict) -> list[str]:
@@ -206,6 +227,8 @@ def parse_chat_request(body) -> ChatRequest:
     if not question.strip():
         raise RequestError("the question (the last user message) is empty", param="messages")
     document, turns, systems = _document_and_turns(texts[:-1], systems)
+    if not document.strip() and len(texts) == 1 and (split := _split_one_message(question)) is not None:
+        document, question = split  # the document and the question in one message
     if not document.strip():
         raise RequestError("snapkv answers questions about a document: send the document in a user message before "
                            "the question (the last user message)", param="messages", code="no_document")
