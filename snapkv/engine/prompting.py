@@ -98,8 +98,8 @@ class Prompter:
         template = PromptTemplate.for_tokenizer(tokenizer, system)
         self.tokenizer = tokenizer
         self.system = system
-        self._starts: torch.Tensor | None = None  # which tokens start a word (word_ids), made on first use
-        self._digit_tokens: torch.Tensor | None = None  # which tokens hold a digit (word_ids), made on first use
+        # which tokens start a word and which hold a digit (word_ids), made on first use
+        self._marks: tuple[torch.Tensor, torch.Tensor] | None = None
         self.head_ids = _template_ids(tokenizer, template.head)
         self.middle_ids = _template_ids(tokenizer, template.middle)
         self.tail_ids = _template_ids(tokenizer, template.tail)
@@ -130,26 +130,27 @@ class Prompter:
         return words
 
     def _word_starts(self) -> torch.Tensor:
-        """(vocabulary,) bool: which tokens start a word, from the tokens' own text (byte-level BPE's Ġ/Ċ, or
-        SentencePiece's ▁, for a leading space or line break), computed once."""
-        if self._starts is None:
-            tokenizer = self.tokenizer
-            size = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
-            pieces = tokenizer.convert_ids_to_tokens(list(range(size)))
-            special = set(getattr(tokenizer, "all_special_ids", []) or [])
-            self._starts = torch.tensor([index in special or not piece or piece[0] in WORD_START_MARKS
-                                         or piece[0].isspace() for index, piece in enumerate(
-                                             p if isinstance(p, str) else "" for p in pieces)], dtype=torch.bool)
-        return self._starts
+        """(vocabulary,) bool: which tokens start a word (_token_marks)."""
+        return self._token_marks()[0]
 
     def _digits(self) -> torch.Tensor:
-        """(vocabulary,) bool: which tokens hold a digit, computed once."""
-        if self._digit_tokens is None:
-            size = self._word_starts().shape[0]
-            pieces = self.tokenizer.convert_ids_to_tokens(list(range(size)))
-            self._digit_tokens = torch.tensor([isinstance(p, str) and any(c.isdigit() for c in p) for p in pieces],
-                                              dtype=torch.bool)
-        return self._digit_tokens
+        """(vocabulary,) bool: which tokens hold a digit (_token_marks)."""
+        return self._token_marks()[1]
+
+    def _token_marks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(vocabulary,) bool twice, from the tokens' own text in one pass over the vocabulary, computed once: which
+        tokens start a word (byte-level BPE's Ġ/Ċ, or SentencePiece's ▁, for a leading space or line break; a special
+        token), and which hold a digit."""
+        if self._marks is None:
+            tokenizer = self.tokenizer
+            size = max(len(tokenizer), getattr(tokenizer, "vocab_size", 0) or 0)
+            pieces = [p if isinstance(p, str) else "" for p in tokenizer.convert_ids_to_tokens(list(range(size)))]
+            special = set(getattr(tokenizer, "all_special_ids", []) or [])
+            starts = torch.tensor([index in special or not piece or piece[0] in WORD_START_MARKS
+                                   or piece[0].isspace() for index, piece in enumerate(pieces)], dtype=torch.bool)
+            digits = torch.tensor([any(c.isdigit() for c in piece) for piece in pieces], dtype=torch.bool)
+            self._marks = (starts, digits)
+        return self._marks
 
     @property
     def overhead(self) -> int:
