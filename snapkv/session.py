@@ -27,12 +27,13 @@ from snapkv.engine.generation import Sampling, answer, extended
 from snapkv.engine.memory import (PeakMemory, check_prefill_fits, is_out_of_memory, release_device_memory,
                                   wait_for_device)
 from snapkv.engine.models import LoadedModel
-from snapkv.engine.tiers import build_tier, derive_tier
+from snapkv.engine.tiers import build_tier, derive_tier, extend_tier
 from snapkv.io.documents import Document, stale_sources
 from snapkv.io.streaming import TextStream
 from snapkv.storage.cache import CompressedCache
 from snapkv.storage.cachefile import load_cache, per_question_of, recorded_sources, save_cache
-from snapkv.storage.store import CacheStore, cache_key
+from snapkv.storage.prefixes import CHUNK_TOKENS, shared_length
+from snapkv.storage.store import CacheStore, cache_key, prefix_seed
 
 # Room left after the document for the question and the answer when checking the context length.
 QUESTION_ALLOWANCE = 128
@@ -84,6 +85,14 @@ class PreparedDocument:
     turns: int = 0                   # finished turns of a conversation appended to the cache (Session.with_turn)
     turn_tokens: int = 0             # the tokens of those turns (of `tokens`)
     document_stored_bytes: int | None = None  # the document's own cache as stored, once turns are appended
+    prefix_tokens: int = 0           # where a saved cache's prompt shared this one's first tokens: how many were
+                                     # reused from it rather than prefilled (Session.prepare)
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose cache was taken from a saved one rather than prefilled: all on a hit, the shared
+        prefix where one was reused, else none."""
+        return self.cache.original_length - self.turn_tokens if self.hit else self.prefix_tokens
 
     @property
     def stored_kv_bytes(self) -> int:
@@ -297,6 +306,7 @@ class Session:
         prompt = source if isinstance(source, Prompt) else self.prompt(source)
         plan = self.plan
         key = cache_key(self.loaded.identity, prompt.ids, plan.stored, plan.bits) if self.store else None
+        seed = prefix_seed(self.loaded.identity, plan.stored, plan.bits)
         notes, unreadable = [], False
         try:
             path = self.store.lookup(key) if self.store is not None else None
@@ -312,7 +322,8 @@ class Session:
             else:
                 if torch.equal(prepared.cache.token_ids, prompt.ids):
                     return replace(prepared, document=prompt.document, per_question=plan.per_question)
-        prepared = self._prefill(prompt, plan, on_layer, on_step, measure)
+        prepared = (self._from_longest_prefix(prompt, seed, notes, measure) if path is None else None) \
+            or self._prefill(prompt, plan, on_layer, on_step, measure)
         prepared.notes = notes
         if self.store is not None:
             try:
@@ -320,11 +331,50 @@ class Session:
             except StorageError as error:  # the answers need only the cache in memory: go on without it
                 prepared.notes.append(f"{error} The next question on this document will prefill again.")
             else:
-                try:  # a shared store: the other machines' next question on it is a hit (an unreadable one replaced)
-                    self.store.publish(key, replace=unreadable)
+                try:  # a shared store: the other machines' next question on it is a hit (an unreadable one replaced),
+                    self.store.publish(key, replace=unreadable)  # and a prompt that begins as this one finds it
+                    if plan.stored is None:
+                        self.store.index_prefixes(seed, prompt.ids, key)
                 except StorageError as error:
                     prepared.notes.append(str(error))
         return prepared
+
+    def _from_longest_prefix(self, prompt: Prompt, seed: str, notes: list[str],
+                             measure: bool) -> PreparedDocument | None:
+        """The prompt's cache made from the saved one that shares the longest prefix with it (at least a chunk,
+        snapkv.storage.prefixes): that prefix reused, only the rest run through the model. None where no saved cache
+        shares one, or the session stores a cut tier (whose prefix is not the prefix's cache)."""
+        plan, loaded = self.plan, self.loaded
+        if self.store is None or plan.stored is not None:
+            return None
+        try:
+            found = self.store.longest_prefix(seed, prompt.ids)
+            saved = self._load(found[0], check_sources=False) if found is not None else None
+        except StorageError as error:  # a shared store out of reach: prefilled as if nothing were there
+            notes.append(str(error))
+            return None
+        except CacheFileError:  # a damaged cache: prefilled; its index entries are overwritten by the next save
+            return None
+        if saved is None or not saved.cache.holds_every_position:
+            return None
+        shared = shared_length(saved.cache.token_ids, prompt.ids)
+        if shared < CHUNK_TOKENS:
+            return None
+        try:
+            with PeakMemory(loaded.device, release=measure) as memory:
+                started = time.perf_counter()
+                cache = extend_tier(loaded.model, self.prompter, saved.cache, prompt.ids, shared,
+                                    prompt.document_span, plan, Tier(truncation=prompt.truncation))
+                wait_for_device(loaded.device)
+                seconds = time.perf_counter() - started
+        except Exception as error:  # out of memory with the saved cache beside: a prefill says what it needs
+            if not is_out_of_memory(error):
+                raise
+            release_device_memory(loaded.device)
+            return None
+        return PreparedDocument(prompt.document, cache, plan.per_question, prefill_seconds=seconds,
+                                prefill_peak_bytes=memory.peak, prefix_tokens=shared,
+                                load_seconds=saved.load_seconds)
 
     def _prefill(self, prompt: Prompt, plan: Plan, on_layer: Callable[[int, int], None] | None,
                  on_step: Callable[[int, int], None] | None, measure: bool) -> PreparedDocument:

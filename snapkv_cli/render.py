@@ -133,6 +133,11 @@ def prepare_with_progress(err: Console, session: Session, document) -> PreparedD
         warn(err, note)
     if prepared.hit:
         done(err, f"found the document's cache in the store, loaded in {prepared.load_seconds:.2f} s")
+    elif prepared.prefix_tokens:
+        saved = f"; saved in {prepared.save_seconds:.2f} s" if prepared.path else ""
+        done(err, f"reused the first {prepared.prefix_tokens} of {prepared.tokens} tokens from a saved cache "
+                  f"(loaded in {prepared.load_seconds:.2f} s), prefilled the other "
+                  f"{prepared.tokens - prepared.prefix_tokens} in {prepared.prefill_seconds:.1f} s{saved}")
     else:
         scoring = f" ({prepared.tier_seconds:.1f} s of it choosing the stored tier)" if prepared.tier_seconds >= 0.05 else ""
         saved = f"; saved in {prepared.save_seconds:.2f} s" if prepared.path else ""
@@ -191,6 +196,7 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
             "kv_dtype": str(cache.compute_dtype).replace("torch.", ""),
         },
         "cache": {"path": os.path.abspath(prepared.path) if prepared.path else None, "hit": prepared.hit,
+                  "reused_tokens": prepared.reused_tokens,  # all on a hit, a saved cache's shared prefix, or 0
                   "bytes": prepared.file_bytes, "load_seconds": round(prepared.load_seconds, 4),
                   "save_seconds": round(prepared.save_seconds, 4)},
         "timings": {k: round(v, 4) for k, v in {**timings, "prefill_seconds": prepared.prefill_seconds}.items()},
@@ -239,7 +245,10 @@ def stats_table(data: dict) -> Table:
     if cache["hit"]:
         table.add_row("cache", f"hit, loaded in {cache['load_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     else:
-        table.add_row("prefill", f"{data['timings']['prefill_seconds']:.2f} s")
+        reused = cache.get("reused_tokens") or 0
+        table.add_row("prefill", f"{data['timings']['prefill_seconds']:.2f} s" + (
+            f", of the {document_tokens - reused} tokens after the first {reused}, reused from a saved cache"
+            if reused else ""))
         if cache["path"]:
             table.add_row("cache", f"saved in {cache['save_seconds']:.2f} s: {cache['path']} ({_mib(cache['bytes'])})")
     for answer in data["answers"]:

@@ -59,7 +59,7 @@ def test_ask_json_on_the_sample_report(embedded_home):
         "document": {"tokens", "sources"},
         "compression": {"method", "budget", "window", "kernel", "pooling", "query_aware", "kept_tokens", "kv_bytes",
                         "kv_bytes_full"},
-        "cache": {"path", "hit", "bytes", "load_seconds", "save_seconds"},
+        "cache": {"path", "hit", "reused_tokens", "bytes", "load_seconds", "save_seconds"},
         "timings": {"model_load_seconds", "ingest_seconds", "prefill_seconds"},
         "memory": {"peak_bytes", "device"},
         "model": {"name", "context_length"},

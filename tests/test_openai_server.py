@@ -161,7 +161,8 @@ def test_stop_sequences_and_the_token_limit_end_an_answer_as_openai_says(server)
 
 
 @pytest.mark.parametrize("extra, param", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                          ({"tools": [{"type": "function", "function": {"name": "f"}}],
+                                            "tool_choice": "required"}, "tool_choice"),
                                           ({"presence_penalty": 0.5}, "presence_penalty"),
                                           ({"temperature": 3}, "temperature")])
 def test_what_snapkv_does_not_do_is_refused_with_a_400_naming_it(server, extra, param):
@@ -363,6 +364,64 @@ def test_a_request_is_read_as_a_document_and_a_question():
     alone = parse_chat_request({"model": "m", "messages": [{"role": "system", "content": "The report."},
                                                            {"role": "user", "content": "What does it say?"}]})
     assert (alone.system, alone.document, alone.question) == (None, "The report.", "What does it say?")
+
+
+DOC = "Wick Instruments, annual report.\n\nRevenue in 2023 was 121.3 million euros.\n\nIt employs 412 people."
+RAG = ("### Task:\nRespond to the user query using the provided context, incorporating inline citations.\n\n"
+       f'<context>\n<source id="1" name="report.txt">{DOC}</source>\n</context>\n')
+FILES = '<attached_files>\n<file type="file" id="7" name="report.txt"/>\n</attached_files>'
+LIBRECHAT = f'Attached document(s):\n```md# "report.txt"\n{DOC}\n\n```'
+CONTINUE = f"```report.txt\n{DOC}\n```\n"
+AIDER_FILES = f"I have *added these files to the chat* so you can go ahead and edit them.\n\nreport.txt\n```\n{DOC}\n```\n"
+
+
+def _layout(*messages, **extra):
+    return parse_chat_request({"model": "m", "messages": [{"role": r, "content": c} for r, c in messages], **extra})
+
+
+@pytest.mark.parametrize("client, first, follow_up", [
+    # Open WebUI, a file in full context: the RAG block before each question (and the file list where it was
+    # attached), offered its built-in tools; the follow-up's earlier turn holds the question alone
+    ("open-webui", [("user", f"{RAG}\n{FILES}\n\nWhat was the revenue?")],
+     [("user", f"{FILES}\n\nWhat was the revenue?"), ("assistant", "121.3 million."),
+      ("user", f"{RAG}\n\nHow many people?")]),
+    # LibreChat, a file uploaded as text, with a prompt prefix as the system message
+    ("librechat", [("system", "Be brief."), ("user", f"{LIBRECHAT}\nWhat was the revenue?")],
+     [("system", "Be brief."), ("user", f"{LIBRECHAT}\nWhat was the revenue?"), ("assistant", "121.3 million."),
+      ("user", "How many people?")]),
+    # Continue, @file: the file as a fenced block before the question, its long system rules
+    ("continue", [("system", "<important_rules>\nYou are in chat mode.\n</important_rules>"),
+                  ("user", f"{CONTINUE}What was the revenue?")],
+     [("system", "<important_rules>\nYou are in chat mode.\n</important_rules>"),
+      ("user", f"{CONTINUE}What was the revenue?"), ("assistant", "121.3 million."), ("user", "How many people?")]),
+    # aider /ask: the files in a user message acknowledged by the assistant; on a follow-up the earlier turn comes
+    # before them, and each question ends with a blank line
+    ("aider", [("system", "Act as an expert code analyst."), ("user", AIDER_FILES),
+               ("assistant", "Ok, I will use that as the true, current contents of the files."),
+               ("user", "What was the revenue?\n\n")],
+     [("system", "Act as an expert code analyst."), ("user", "What was the revenue?\n\n"),
+      ("assistant", "121.3 million."), ("user", AIDER_FILES),
+      ("assistant", "Ok, I will use that as the true, current contents of the files."), ("user", "How many people?\n\n")]),
+    # llm -s "$(cat report.txt)" "Q1", then llm -c "Q2"
+    ("llm", [("system", DOC), ("user", "What was the revenue?")],
+     [("system", DOC), ("user", "What was the revenue?"), ("assistant", "121.3 million."), ("user", "How many people?")]),
+    # a script: document and question in one message, then the same with the next question
+    ("script", [("user", f"{DOC}\n\nWhat was the revenue?")], [("user", f"{DOC}\n\nHow many people?\n")]),
+])
+def test_the_layouts_real_clients_send_keep_one_document_across_questions(client, first, follow_up):
+    tools = {"tools": [{"type": "function", "function": {"name": "get_current_timestamp", "parameters": {}}}]}
+    asked = _layout(*first, **(tools if client == "open-webui" else {}))
+    then = _layout(*follow_up, **(tools if client == "open-webui" else {}))
+    assert DOC in asked.document and asked.question.strip() == "What was the revenue?"
+    assert then.question.strip() == "How many people?"
+    if client == "open-webui":  # the file list follows the block in the first request only: a shared prefix
+        assert asked.document.startswith(then.document) and then.document.endswith("</context>")
+        assert then.turns == ((f"{FILES}\n\nWhat was the revenue?", "121.3 million."),) and asked.ignored == ["tools"]
+    else:
+        assert asked.document == then.document and (asked.system, asked.turns) == (then.system, ())
+        if client != "script":  # a script asks each question afresh: no turns
+            assert [(q.strip(), a) for q, a in then.turns] == [("What was the revenue?", "121.3 million.")]
+    assert "```" not in asked.question and "</" not in asked.question
 
 
 @pytest.mark.parametrize("body, param", [

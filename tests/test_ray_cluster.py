@@ -16,7 +16,8 @@ serve = pytest.importorskip("ray.serve")
 from snapkv.compression.config import DEFAULTS  # noqa: E402
 from snapkv.serving.chat_request import parse_chat_request  # noqa: E402
 from snapkv.serving.chat_service import ChatService  # noqa: E402
-from snapkv.serving.ray_app import REPLICA_HEADER, ReplicaSettings, application, document_name  # noqa: E402
+from snapkv.serving.ray_app import (NAMED_CHARACTERS, REPLICA_HEADER, ReplicaSettings, application,  # noqa: E402
+                                   document_name)
 from snapkv.storage.store import CacheStore  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -212,6 +213,12 @@ def test_a_documents_name_is_its_system_message_and_document_whatever_the_questi
     other = {"role": "user", "content": DOCUMENTS["korvo"]}
     assert document_name(body([other, {"role": "user", "content": "Who?"}])) != one
     assert document_name(b"{not json") == document_name(b'{"messages": 3}') == ""
+    # a document that grows (or ends otherwise) goes where the cache it shares a prefix with is
+    long = " ".join([DOCUMENTS["wick"]] * (NAMED_CHARACTERS // len(DOCUMENTS["wick"]) + 1))
+    grown = long + "\n\nAddendum: a later count of staff."
+    named = [document_name(body([{"role": "user", "content": text}, {"role": "user", "content": "Who?"}]))
+             for text in (long, grown)]
+    assert named[0] == named[1] != one
 
 
 def test_serve_ray_says_what_is_wrong_before_anything_starts(tmp_path, monkeypatch, capsys):

@@ -24,7 +24,7 @@ from snapkv.compression.compress import cache_argument
 from snapkv.compression.config import Cut, Plan, Tier
 from snapkv.compression.methods import Method, Probe, PseudoQuestion
 from snapkv.compression.scoring import gather_positions
-from snapkv.engine.generation import chunked_prefill, model_device, prefill, run_forward
+from snapkv.engine.generation import chunked_prefill, extended, model_device, prefill, run_forward
 from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
 from snapkv.storage.cache import CompressedCache
 
@@ -203,3 +203,21 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan
     if timings is not None:
         timings.update(prefill_seconds=prefilled - started, tier_seconds=time.perf_counter() - prefilled)
     return cache
+
+
+# A prompt's part after a reused prefix is fed in pieces of at most this many tokens (bounded activations).
+EXTENSION_PIECE = 2048
+
+
+def extend_tier(model, prompter, saved: CompressedCache, context_ids: torch.Tensor, shared: int, document: range,
+                plan: Plan, tier: Tier) -> CompressedCache:
+    """The stored cache of a prompt whose first `shared` ids are those of a saved cache holding every position (a
+    whole stored tier): that prefix reused, the rest run against it (snapkv.engine.generation.extended), then
+    rounded to the stored bits as build_tier rounds a prefill. `tier` carries the truncation."""
+    if plan.stored is not None:
+        raise ValueError("a prefix is reused only where the whole prompt is stored")
+    cache = saved.prefix(shared)
+    for start in range(shared, context_ids.shape[0], EXTENSION_PIECE):
+        cache = extended(model, cache, context_ids[start:start + EXTENSION_PIECE])
+    cache = replace(cache, tier=replace(tier, cut=None, bits=Bits(16)), document_span=document)
+    return at_stored_precision(model, prompter, cache.at_precision(16), plan.bits)

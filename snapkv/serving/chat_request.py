@@ -19,6 +19,7 @@ A parameter snapkv does not honour is refused with a 400 naming it, unless it is
 logprobs false, penalties 0, ...): a client that sends it set expects something snapkv would silently not do.
 """
 
+import re
 from dataclasses import dataclass, field
 
 from snapkv.engine.generation import Sampling
@@ -36,6 +37,9 @@ READ = frozenset({"model", "messages", "stream", "stream_options", "max_tokens",
                   "temperature", "top_p", "seed", "stop", "snapkv"})
 SNAPKV_OPTIONS = ("cite",)  # what the request's own "snapkv" object may hold
 IGNORED = frozenset({"user", "metadata", "store", "safety_identifier", "prompt_cache_key", "service_tier"})
+# Tools offered that the model may leave unused (tool_choice absent, "auto" or "none"): answered in text, as a model that
+# calls none does (Open WebUI offers its built-in tools with every chat)
+OPTIONAL_TOOLS = ("tools", "functions", "tool_choice", "function_call", "parallel_tool_calls")
 NEUTRAL = {"n": (1, None), "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None),
            "logprobs": (False, None), "top_logprobs": (0, None), "logit_bias": ({}, None), "tools": ([], None),
            "tool_choice": ("none", None), "functions": ([], None), "function_call": ("none", None),
@@ -167,14 +171,38 @@ def _document_and_turns(texts: list[tuple[str, str]], systems: list[str]) -> tup
     return "\n\n".join(text for _, text in texts[:first]), turns, systems
 
 
+# A line that closes an attached block: a code fence, or a closing tag (</context>, </document>, </source>, ...)
+_CLOSING_LINE = re.compile(r"^[ \t]*(?:```|~~~|</[A-Za-z_][\w.:-]*>)[ \t]*$", re.MULTILINE)
+
+
+def _ends_with_block(text: str) -> bool:
+    """Whether the text ends with the closing line of an attached block (a code fence, a closing tag)."""
+    closing = None
+    for closing in _CLOSING_LINE.finditer(text.strip()):
+        pass
+    return closing is not None and not text.strip()[closing.end():].strip()
+
+
 def _split_one_message(text: str) -> tuple[str, str] | None:
-    """(document, question) of a message that holds both, the layout most scripts send: the question is the last
-    paragraph (or, with no blank line, the last line), unless that does not read as a question and the first
-    paragraph does ("Answer from this report:", "What was the revenue?"), which is then the question; None where the
-    message is one paragraph of one line. The document's own trailing white space is not part of it, so that
-    `$(cat f)` and `open(f).read()` are the same document."""
-    separator = "\n\n" if "\n\n" in text.strip() else "\n"
-    parts = [part for part in text.strip().split(separator) if part.strip()]
+    """(document, question) of a message that holds both, the layout most scripts and chat front ends send.
+
+    Where the message attaches its document as a block (a fenced code block, <context>...</context>) and one
+    paragraph follows the block's last closing line, that paragraph is the question (LibreChat, Continue, Open WebUI);
+    a message that ends with such a line is a document alone (None). Otherwise the question is the last paragraph
+    (or, with no blank line, the last line), unless that does not read as a question and the first paragraph does
+    ("Answer from this report:", "What was the revenue?"), which is then the question; None where the message is one
+    paragraph of one line. The document's own trailing white space is not part of it, so that `$(cat f)` and
+    `open(f).read()` are the same document."""
+    text = text.strip()
+    closings = list(_CLOSING_LINE.finditer(text))
+    if closings:
+        after = text[closings[-1].end():].strip()
+        if not after:
+            return None
+        if "\n\n" not in after:
+            return text[:closings[-1].end()].strip(), after
+    separator = "\n\n" if "\n\n" in text else "\n"
+    parts = [part for part in text.split(separator) if part.strip()]
     if len(parts) < 2:
         return None
     first, last = parts[0].strip(), parts[-1].strip()
@@ -183,17 +211,62 @@ def _split_one_message(text: str) -> tuple[str, str] | None:
     return separator.join(parts[:-1]).strip(), last
 
 
+def _layout(systems: list[str], texts: list[tuple[str, str]],
+            question: str) -> tuple[str, str, tuple, list[str]] | None:
+    """(document, question, finished turns, system messages left as the system prompt), where the document is the
+    longest text the request carries and the other messages fit around it; None where they do not (then
+    _document_and_turns reads the request).
+
+    The longest text may be: the system messages (`llm -s DOCUMENT`, the turns after them); the question's own
+    document (one message holding both, _split_one_message; Open WebUI puts the document before every question,
+    earlier turns before it); or a user message before the question: the first turn's question holding the document
+    (LibreChat, Continue: the document and the first question, then the answer and the follow-ups), or a message that
+    is the document alone followed by the assistant's acknowledgement, which is dropped (aider's files: "Ok, ...")."""
+    system_text = "\n\n".join(systems)
+    in_question = _split_one_message(question)
+    longest = max([("question", len(in_question[0]))] if in_question else []
+                  + [("system", len(system_text))] * bool(systems)
+                  + [(index, len(text)) for index, (role, text) in enumerate(texts) if role == "user"],
+                  key=lambda item: item[1], default=None)
+    if longest is None:
+        return None
+    where = longest[0]
+    if where == "question":
+        turns = _turns(texts)
+        return (in_question[0], in_question[1], turns, systems) if turns is not None else None
+    if where == "system":
+        turns = _turns(texts)
+        return (system_text, question, turns, []) if turns is not None else None
+    text = texts[where][1]
+    after = texts[where + 1:]
+    if not after or after[0][0] != "assistant":
+        return None
+    if _ends_with_block(text):  # the document alone, then its acknowledgement
+        document, conversation = text, texts[:where] + after[1:]
+    elif (split := _split_one_message(text)) is not None:  # the first turn's question holds the document
+        document, conversation = split[0], texts[:where] + [("user", split[1])] + after
+    else:
+        return None
+    turns = _turns(conversation)
+    return (document, question, turns, systems) if turns is not None else None
+
+
 def _refuse_unsupported(body: dict) -> list[str]:
     """The ignored parameters present; RequestError for one snapkv does not honour, set to a value that matters."""
+    optional_tools = (body.get("tool_choice", "auto") in ("auto", "none", None)
+                      and body.get("function_call", "auto") in ("auto", "none", None))
     for name, value in body.items():
         if name in READ or name in IGNORED:
+            continue
+        if name in OPTIONAL_TOOLS and optional_tools and isinstance(value, (list, str, bool, type(None))):
             continue
         if name in NEUTRAL and any(value == neutral and type(value) is type(neutral) or value is neutral
                                    for neutral in NEUTRAL[name]):
             continue
         what = "is not supported by snapkv" if name in NEUTRAL else "is not a parameter snapkv knows"
         raise RequestError(f"{name}={value!r} {what}; leave it out", param=name, code="unsupported_parameter")
-    return sorted(name for name in body if name in IGNORED)
+    return sorted(name for name in body if name in IGNORED or name in OPTIONAL_TOOLS and optional_tools
+                  and body[name] not in (None, [], "none", "auto", False, True))
 
 
 def parse_chat_request(body) -> ChatRequest:
@@ -226,9 +299,11 @@ def parse_chat_request(body) -> ChatRequest:
     question = texts[-1][1]
     if not question.strip():
         raise RequestError("the question (the last user message) is empty", param="messages")
-    document, turns, systems = _document_and_turns(texts[:-1], systems)
-    if not document.strip() and len(texts) == 1 and (split := _split_one_message(question)) is not None:
-        document, question = split  # the document and the question in one message
+    layout = _layout(systems, texts[:-1], question)
+    if layout is not None and layout[0].strip():
+        document, question, turns, systems = layout
+    else:
+        document, turns, systems = _document_and_turns(texts[:-1], systems)
     if not document.strip():
         raise RequestError("snapkv answers questions about a document: send the document in a user message before "
                            "the question (the last user message)", param="messages", code="no_document")

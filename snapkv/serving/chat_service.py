@@ -106,7 +106,8 @@ class ChatService:
         return self._sessions[system]
 
     def _prepare(self, session: Session, system: str | None, text: str) -> tuple[tuple, PreparedDocument, str]:
-        """(its key, the document's prepared cache, where that came from: "memory", "store" or "prefill")."""
+        """(its key, the document's prepared cache, where that came from: "memory", "store", "prefix" (a saved
+        cache's prompt shared its first tokens) or "prefill")."""
         prompt = session.prompt(Document(text))
         key = (system, tuple(prompt.ids.tolist()))
         if key in self._prepared:
@@ -116,7 +117,7 @@ class ChatService:
         self._prepared[key] = prepared
         while len(self._prepared) > self._kept_in_memory:
             self._prepared.popitem(last=False)
-        return key, prepared, "store" if prepared.hit else "prefill"
+        return key, prepared, "store" if prepared.hit else "prefix" if prepared.prefix_tokens else "prefill"
 
     def _with_turns(self, session: Session, key: tuple, document: PreparedDocument, reused: int,
                     turns: tuple[tuple[str, str], ...]) -> tuple[PreparedDocument, int]:
@@ -146,9 +147,8 @@ class ChatService:
             session = self._session(request.system)
             try:
                 key, document, source = self._prepare(session, request.system, request.document)
-                reused = source != "prefill"
-                prepared, cached = self._with_turns(session, key, document, document.tokens if reused else 0,
-                                                    request.turns)
+                reused = document.tokens if source == "memory" else document.reused_tokens
+                prepared, cached = self._with_turns(session, key, document, reused, request.turns)
                 stream = session.ask(prepared, request.question, max_new_tokens=request.max_tokens,
                                      sampling=request.sampling)
             except (DocumentError, ConfigError) as error:  # too long for the model, ...
@@ -178,7 +178,7 @@ class ChatService:
                     cite_failure = f"the passages could not be found: {error}"
             finish = "stop" if scanner.stopped else ("length" if result.finish_reason == "length" else "stop")
             usage = Usage(prepared.tokens + stream.question_tokens, result.new_tokens, cached)
-            details = {"cache": "reused" if reused else "prefilled", "cache_source": source,
+            details = {"cache": "reused" if source in ("memory", "store") else "prefilled", "cache_source": source,
                        "document_tokens": document.tokens,
                        "conversation_turns": prepared.turns,
                        "mode": prepared.mode, "seconds": round(time.perf_counter() - started, 3),

@@ -1,7 +1,7 @@
 """`snapkv serve --http --ray`: the OpenAI-compatible API as a Ray Serve application, past one machine.
 
     Router (one replica)      Ray Serve's HTTP ingress: checks the key, reads the body (bounded), names the
-                              request's document by a hash of its system message and document, and hands the request
+                              request's document by a hash of its system message and its beginning, and hands the request
                               on with that name as Serve's multiplexed model id, so that the follow-ups about one
                               document go to the replica that holds its cache; a replica that dies before it answers
                               is passed over (the request is sent again, to another or a restarted replica)
@@ -34,6 +34,7 @@ RELAY_ATTEMPTS = 3           # a request is sent this many times where its repli
 REPLICA_HEADER = "x-snapkv-replica"
 QUIET = {"log_level": "WARNING", "enable_access_log": False}  # Serve logs every request at INFO otherwise
 CHAT_PATH = "/v1/chat/completions"
+NAMED_CHARACTERS = 2048      # of a document, what names it for routing (document_name)
 ROUTER_REQUESTS = 1024       # requests the router relays at once, and as many more waiting; past that Serve says 503
 
 
@@ -52,14 +53,16 @@ class ReplicaSettings:
 
 
 def document_name(body: bytes) -> str:
-    """The routing name of a chat request's document: a hash of its system message and its document (the messages
-    before the conversation and the question), so that every question about one document, in any conversation,
-    has one name; "" for a body that is not a chat request snapkv answers (any replica refuses it)."""
+    """The routing name of a chat request's document: a hash of its system message and the document's first
+    NAMED_CHARACTERS (about its first two chunks of tokens, snapkv.storage.prefixes), so that every question about one
+    document, in any conversation, has one name, and so has a document that grows or ends differently: the replica
+    that holds the cache it shares a prefix with; "" for a body that is not a chat request snapkv answers (any replica
+    refuses it)."""
     try:
         chat = parse_chat_request(json.loads(body))
     except (ValueError, RecursionError):  # RequestError too
         return ""
-    return hashlib.sha256(json.dumps([chat.system, chat.document]).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps([chat.system, chat.document[:NAMED_CHARACTERS]]).encode()).hexdigest()[:32]
 
 
 @serve.deployment

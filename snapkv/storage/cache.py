@@ -72,6 +72,29 @@ class CompressedCache:
         return max(p.shape[1] for p in self.positions)
 
     @property
+    def holds_every_position(self) -> bool:
+        """True where every layer holds every prompt position (no cut, no sliding window's tail): any prefix of
+        the prompt is then a prefix of the cache (prefix)."""
+        return all(p.shape[1] == self.original_length for p in self.positions)
+
+    def prefix(self, length: int) -> "CompressedCache":
+        """The cache of the prompt's first `length` positions, restored to the compute dtype (a deferred cache's
+        layers one at a time); only where it holds every position. Not rounded: its stored form is gone."""
+        if not self.holds_every_position or not 0 < length <= self.original_length:
+            raise ValueError(f"a prefix of {length} positions of a cache holding {self.kept_tokens} of "
+                             f"{self.original_length}")
+        keys, values = [], []
+        for index in range(self.num_layers):
+            layer_keys = self.keys.restored(index) if self.deferred else self.keys[index]
+            layer_values = self.values.restored(index) if self.deferred else self.values[index]
+            keys.append(layer_keys[:, :length].clone())  # (kv_heads, length, head_dim)
+            values.append(layer_values[:, :length].clone())
+        span = self.document
+        return CompressedCache(keys, values, [p[:, :length] for p in self.positions], length,
+                               self.token_ids[:length].clone(), replace(self.tier, bits=Bits(16)),
+                               range(min(span.start, length), min(span.stop, length)))
+
+    @property
     def compressed(self) -> bool:
         """True if SnapKV dropped positions (sliding-window layers hold a tail anyway and do not count)."""
         return self.kept_tokens < self.original_length

@@ -19,7 +19,7 @@ from pathlib import Path
 from snapkv.base.atomic import write_atomically
 from snapkv.base.errors import ConfigError, StorageError
 from snapkv.base.paths import CACHE_SUFFIX as SUFFIX
-from snapkv.storage.store import CacheStore, StoreEntry
+from snapkv.storage.store import PREFIXES, CacheStore, StoreEntry, as_key
 
 STORE_VARIABLE = "SNAPKV_STORE"
 RENAMING_PROTOCOLS = ("memory",)  # object stores are not among them: a move there is a copy and a delete
@@ -84,6 +84,40 @@ class RemoteStore(CacheStore):
                                "machine; other machines will prefill it themselves.") from error
         return True
 
+    # ---- the prefix index, under the URL as in the local store (prefixes/<2 hex>/<chunk hash>)
+
+    def _remote_entry(self, chunk_hash: str) -> str:
+        return f"{self.remote_root}/{PREFIXES}/{chunk_hash[:2]}/{chunk_hash}"
+
+    def _has_entry(self, chunk_hash: str) -> bool:
+        if super()._has_entry(chunk_hash):
+            return True
+        try:
+            return self.fs.exists(self._remote_entry(chunk_hash))
+        except (OSError, ValueError) as error:
+            raise StorageError(f"cannot read the prefix index of the store {self.url}: {error}") from error
+
+    def _read_entry(self, chunk_hash: str) -> str | None:
+        """The key the URL's entry holds (another machine's newer cache may have replaced this machine's)."""
+        try:
+            if self.fs.exists(self._remote_entry(chunk_hash)):
+                return as_key(self.fs.cat_file(self._remote_entry(chunk_hash)))
+        except (OSError, ValueError) as error:
+            raise StorageError(f"cannot read the prefix index of the store {self.url}: {error}") from error
+        return super()._read_entry(chunk_hash)
+
+    def _write_entries(self, entries: dict[str, str]) -> None:
+        """Here and under the URL, in one request where the backend batches them (each entry is one small object,
+        put whole)."""
+        super()._write_entries(entries)
+        try:
+            for folder in {self._remote_entry(chunk_hash).rsplit("/", 1)[0] for chunk_hash in entries}:
+                self.fs.makedirs(folder, exist_ok=True)
+            self.fs.pipe({self._remote_entry(chunk_hash): key.encode() for chunk_hash, key in entries.items()})
+        except (OSError, ValueError) as error:
+            raise StorageError(f"cannot write the prefix index to the store {self.url}: {error}. Other machines will "
+                               "not find this cache by a shared prefix.") from error
+
     def entries(self) -> list[StoreEntry]:
         """The caches under the URL (size and time as the backend says; what they hold where a local copy exists)."""
         local = {entry.key: entry for entry in super().entries()}
@@ -103,6 +137,16 @@ class RemoteStore(CacheStore):
             found.append(StoreEntry(mine.path if mine else Path(item["name"]), key, int(item.get("size") or 0),
                                     modified, mine.metadata if mine else None))
         return sorted(found, key=lambda entry: entry.key)
+
+    def clear(self) -> int:
+        removed = super().clear()
+        index = f"{self.remote_root}/{PREFIXES}"
+        try:
+            if self.fs.exists(index):
+                self.fs.rm(index, recursive=True)
+        except (OSError, ValueError) as error:
+            raise StorageError(f"cannot remove the prefix index of the store {self.url}: {error}") from error
+        return removed
 
     def remove(self, key: str) -> bool:
         existed = super().remove(key)
