@@ -13,6 +13,7 @@ nothing about a document is kept on the session.
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -85,6 +86,7 @@ class PreparedDocument:
     turns: int = 0                   # finished turns of a conversation appended to the cache (Session.with_turn)
     turn_tokens: int = 0             # the tokens of those turns (of `tokens`)
     document_stored_bytes: int | None = None  # the document's own cache as stored, once turns are appended
+    pending_save: Callable[[], None] | None = None  # Session.prepare(defer_save=True): the save still to make
     prefix_tokens: int = 0           # where a saved cache's prompt shared this one's first tokens: how many were
                                      # reused from it rather than prefilled (Session.prepare)
 
@@ -295,13 +297,16 @@ class Session:
         return Prompt(document, ids, truncation, prompter.document_span(len(ids)))
 
     def prepare(self, source: Document | Prompt, *, on_layer: Callable[[int, int], None] | None = None,
-                on_step: Callable[[int, int], None] | None = None, measure: bool = False) -> PreparedDocument:
-        """The document's cache: loaded from the store when it was made before, else prefilled (and saved).
+                on_step: Callable[[int, int], None] | None = None, measure: bool = False,
+                defer_save: bool = False) -> PreparedDocument:
+        """The document's cache: loaded from the store when it was made before, else made from the saved cache that
+        shares the longest prefix with it, or prefilled; then saved.
 
         on_layer: prefill progress, called with (layers done, layers in all).
         on_step:  progress of the stored tier's scoring passes after the prefill, (passes done, in all).
         measure:  for benchmarks: hand freed memory back to the OS before the prefill and wait for the
                   device, so that its time and peak memory are the prefill's own.
+        defer_save: leave the saving to `prepared.pending_save()`, called once the answer is out (a server's).
         """
         prompt = source if isinstance(source, Prompt) else self.prompt(source)
         plan = self.plan
@@ -326,18 +331,28 @@ class Session:
             or self._prefill(prompt, plan, on_layer, on_step, measure)
         prepared.notes = notes
         if self.store is not None:
-            try:
-                self.save(prepared, self.store.path_for(key))
-            except StorageError as error:  # the answers need only the cache in memory: go on without it
-                prepared.notes.append(f"{error} The next question on this document will prefill again.")
+            store_it = partial(self._store, prepared, key, seed, prompt.ids, unreadable)
+            if defer_save:
+                prepared.pending_save = store_it
             else:
-                try:  # a shared store: the other machines' next question on it is a hit (an unreadable one replaced),
-                    self.store.publish(key, replace=unreadable)  # and a prompt that begins as this one finds it
-                    if plan.stored is None:
-                        self.store.index_prefixes(seed, prompt.ids, key)
-                except StorageError as error:
-                    prepared.notes.append(str(error))
+                store_it()
         return prepared
+
+    def _store(self, prepared: PreparedDocument, key: str, seed: str, ids: torch.Tensor, unreadable: bool) -> None:
+        """Save a prepared cache in the store, share it where the store is shared, and index its prompt's prefixes;
+        what fails is added to its notes (the answers need only the cache in memory)."""
+        prepared.pending_save = None
+        try:
+            self.save(prepared, self.store.path_for(key))
+        except StorageError as error:
+            prepared.notes.append(f"{error} The next question on this document will prefill again.")
+            return
+        try:  # a shared store: the other machines' next question on it is a hit (an unreadable one replaced),
+            self.store.publish(key, replace=unreadable)  # and a prompt that begins as this one finds it
+            if self.plan.stored is None:
+                self.store.index_prefixes(seed, ids, key)
+        except StorageError as error:
+            prepared.notes.append(str(error))
 
     def _from_longest_prefix(self, prompt: Prompt, seed: str, notes: list[str],
                              measure: bool) -> PreparedDocument | None:

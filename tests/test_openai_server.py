@@ -26,6 +26,7 @@ from snapkv.serving.chat_request import RequestError, parse_chat_request  # noqa
 from snapkv.serving.chat_service import ChatService, StopScanner  # noqa: E402
 from snapkv.serving.openai_app import MAX_HEAD_BYTES, OpenAIApp, server_config  # noqa: E402
 from snapkv.session import Session  # noqa: E402
+from snapkv.storage.prefixes import CHUNK_TOKENS, shared_length  # noqa: E402
 from snapkv.storage.store import CacheStore  # noqa: E402
 
 KEY = "test-key-7f3a"
@@ -163,6 +164,25 @@ def test_the_llm_cli_as_its_users_type_it_hits_the_documents_cache_on_its_follow
     cached = [json.loads(entry["token_details"] or "{}").get("prompt_tokens_details", {}).get("cached_tokens", 0)
               for entry in logged]  # llm leaves out details that are 0
     assert cached[1] > 0 and cached[2] == 0, logged  # the follow-up reused the document's cache; the first prefilled
+
+
+def test_a_document_that_grows_reuses_its_saved_prefix_saved_after_the_first_answer(server, embedded):
+    client = _client(server)
+    report = " ".join(f"Line {i}: the depot at Varn moved {100 + 7 * i} crates." for i in range(40))
+    grown = report + " Line 40: a late count of 391 crates."
+    first = client.chat.completions.create(model="snapkv", messages=_messages("What did line 3 move?", report),
+                                           max_tokens=8)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    server[1]._executor.submit(lambda: None).result(timeout=60)  # the answer is out, then the cache saved
+    session = Session(embedded, DEFAULTS)
+    ids = [session.prompt(Document(text)).ids for text in (report, grown)]
+    assert any(entry.metadata and entry.metadata["original_length"] == len(ids[0])
+               for entry in server[1].service._store.entries())
+    again = client.chat.completions.create(model="snapkv", messages=_messages("What did line 40 move?", grown),
+                                           max_tokens=8)
+    shared = shared_length(*ids)
+    assert again.model_extra["snapkv"]["cache_source"] == "prefix" and shared > CHUNK_TOKENS
+    assert again.usage.prompt_tokens_details.cached_tokens == shared < len(ids[1])
 
 
 def test_a_conversation_sees_its_earlier_turns_and_each_turn_costs_its_own_tokens(server, embedded, tmp_path):

@@ -94,6 +94,7 @@ class ChatService:
         self._prepared: OrderedDict[tuple, PreparedDocument] = OrderedDict()
         self._conversation: tuple[tuple, tuple, PreparedDocument] | None = None  # (document key, turns, prepared)
         self._lock = threading.Lock()  # run() is meant for one thread; this keeps a second caller out
+        self._unsaved: list[PreparedDocument] = []  # prepared for a request, to be saved after its answer
 
     @property
     def model_id(self) -> str:
@@ -113,7 +114,9 @@ class ChatService:
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key], "memory"
-        prepared = session.prepare(prompt)
+        prepared = session.prepare(prompt, defer_save=True)  # saved once the answer is out (save_pending)
+        if prepared.pending_save is not None:
+            self._unsaved.append(prepared)
         self._prepared[key] = prepared
         while len(self._prepared) > self._kept_in_memory:
             self._prepared.popitem(last=False)
@@ -136,6 +139,19 @@ class ChatService:
         if turns:
             self._conversation = (key, turns, prepared)
         return prepared, reused
+
+    def save_pending(self) -> list[str]:
+        """Save the caches made for the last request, once its answer is out (the client does not wait for the file):
+        what went wrong, as notes (the next question on such a document prefills again)."""
+        with self._lock:
+            notes = []
+            while self._unsaved:
+                prepared = self._unsaved.pop(0)
+                if prepared.pending_save is not None:
+                    before = len(prepared.notes)
+                    prepared.pending_save()
+                    notes += prepared.notes[before:]
+            return notes
 
     def run(self, request: ChatRequest, cancel: threading.Event, emit: Callable[[str], None]) -> Finished | None:
         """Answer `request`, handing each piece of text to `emit`; None where `cancel` was set before it began.
