@@ -307,6 +307,8 @@ class Session:
         measure:  for benchmarks: hand freed memory back to the OS before the prefill and wait for the
                   device, so that its time and peak memory are the prefill's own.
         defer_save: leave the saving to `prepared.pending_save()`, called once the answer is out (a server's).
+        A cache made from a saved prefix and fewer than CHUNK_TOKENS more tokens is not saved: made again from that
+        prefix in a fraction of a second, it would be a whole file more for a few tokens.
         """
         prompt = source if isinstance(source, Prompt) else self.prompt(source)
         plan = self.plan
@@ -330,7 +332,7 @@ class Session:
         prepared = (self._from_longest_prefix(prompt, seed, notes, measure) if path is None else None) \
             or self._prefill(prompt, plan, on_layer, on_step, measure)
         prepared.notes = notes
-        if self.store is not None:
+        if self.store is not None and not 0 < prepared.tokens - prepared.prefix_tokens < CHUNK_TOKENS:
             store_it = partial(self._store, prepared, key, seed, prompt.ids, unreadable)
             if defer_save:
                 prepared.pending_save = store_it

@@ -173,7 +173,8 @@ def test_a_document_that_grows_reuses_its_saved_prefix_saved_after_the_first_ans
     first = client.chat.completions.create(model="snapkv", messages=_messages("What did line 3 move?", report),
                                            max_tokens=8)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    server[1]._executor.submit(lambda: None).result(timeout=60)  # the answer is out, then the cache saved
+    server[1]._executor.submit(lambda: None).result(timeout=60)  # the answer is out, then the cache handed on
+    server[1].service.saved(timeout=60)  # and saved
     session = Session(embedded, DEFAULTS)
     ids = [session.prompt(Document(text)).ids for text in (report, grown)]
     assert any(entry.metadata and entry.metadata["original_length"] == len(ids[0])

@@ -17,8 +17,9 @@ from snapkv.storage.remote import RemoteStore
 from snapkv.storage.store import PREFIXES, CacheStore
 
 SETTINGS = SnapKVConfig(budget=96, window=8, store_bits=16)  # the whole prompt stored, each question cut to 96
-REPORT = " ".join(f"Section {i}: the depot at Varn {i} moved {100 + 7 * i} crates on day {i % 28 + 1}." for i in range(26))
-MORE = " ".join(f"Addendum {i}: a late count of {300 + i} crates." for i in range(6))
+REPORT = " ".join(f"Section {i}: the depot at Varn {i} moved {100 + 7 * i} crates on day {i % 28 + 1}." for i in range(17))
+MORE = " ".join(f"Addendum {i}: a late count of {300 + i} crates." for i in range(6))  # under a chunk of tokens
+LONGER = " ".join(f"Appendix {i}: the barge Orre {i} carried {40 + 3 * i} crates." for i in range(19))
 QUESTIONS = ([5, 6, 7, 8], [11, 12, 13, 14, 15], [21, 22, 23])
 
 
@@ -90,8 +91,13 @@ def test_a_grown_document_reuses_the_saved_prefix_and_answers_as_a_fresh_prefill
     for ours, theirs in zip(grown.cache.keys + grown.cache.values, fresh.cache.keys + fresh.cache.values):
         torch.testing.assert_close(ours, theirs, atol=2e-2, rtol=2e-2)  # the 16-bit rounding of the prefix
     assert _answers(tiny_loaded, grown) == _answers(tiny_loaded, fresh)
-    again = session.prepare(Document(REPORT + " " + MORE))  # saved under its own key: a hit
-    assert again.hit and again.reused_tokens == again.tokens
+    # fewer new tokens than a chunk: made again from the prefix, not saved as a whole file more
+    assert len(session.store.entries()) == 1
+    again = session.prepare(Document(REPORT + " " + MORE))
+    assert not again.hit and again.prefix_tokens == shared
+    longer = session.prepare(Document(REPORT + " " + LONGER))  # a chunk or more of new tokens: saved, then a hit
+    assert longer.tokens - longer.prefix_tokens >= CHUNK_TOKENS and len(session.store.entries()) == 2
+    assert session.prepare(Document(REPORT + " " + LONGER)).hit
 
 
 def test_a_shorter_document_reuses_the_prefix_it_shares(tiny_loaded, tmp_path):

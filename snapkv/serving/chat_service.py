@@ -8,8 +8,10 @@ them) and reports through a callback, so that the web side never waits on torch.
 (`cancel` set) stops between two tokens.
 """
 
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -95,6 +97,7 @@ class ChatService:
         self._conversation: tuple[tuple, tuple, PreparedDocument] | None = None  # (document key, turns, prepared)
         self._lock = threading.Lock()  # run() is meant for one thread; this keeps a second caller out
         self._unsaved: list[PreparedDocument] = []  # prepared for a request, to be saved after its answer
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapkv-save")  # one save at a time
 
     @property
     def model_id(self) -> str:
@@ -114,7 +117,10 @@ class ChatService:
         if key in self._prepared:
             self._prepared.move_to_end(key)
             return key, self._prepared[key], "memory"
-        prepared = session.prepare(prompt, defer_save=True)  # saved once the answer is out (save_pending)
+        self.saved()  # the last request's caches are in the store, so that this prompt finds a prefix it shares with them
+        # On an accelerator a long document's file takes seconds to write: saved once the answer is out, on a thread
+        # of its own (save_pending), the CPU being free; on a CPU that thread would slow the next answer, so saved here.
+        prepared = session.prepare(prompt, defer_save=self.loaded.device.type != "cpu")
         if prepared.pending_save is not None:
             self._unsaved.append(prepared)
         self._prepared[key] = prepared
@@ -140,18 +146,29 @@ class ChatService:
             self._conversation = (key, turns, prepared)
         return prepared, reused
 
-    def save_pending(self) -> list[str]:
-        """Save the caches made for the last request, once its answer is out (the client does not wait for the file):
-        what went wrong, as notes (the next question on such a document prefills again)."""
+    def save_pending(self) -> None:
+        """Save the caches made for the last request, once its answer is out, on a thread of their own: neither its
+        client nor the next request waits for the file (the next question on the document is answered from memory
+        meanwhile). What goes wrong is written to stderr: the next question on such a document prefills again."""
         with self._lock:
-            notes = []
-            while self._unsaved:
-                prepared = self._unsaved.pop(0)
-                if prepared.pending_save is not None:
-                    before = len(prepared.notes)
-                    prepared.pending_save()
-                    notes += prepared.notes[before:]
-            return notes
+            unsaved, self._unsaved = self._unsaved, []
+        for prepared in unsaved:
+            self._saver.submit(self._save, prepared)
+
+    @staticmethod
+    def _save(prepared: PreparedDocument) -> None:
+        before = len(prepared.notes)
+        try:
+            if prepared.pending_save is not None:
+                prepared.pending_save()
+        except Exception as error:  # a disk that fails oddly: the answers go on from memory
+            prepared.notes.append(f"the cache was not saved: {type(error).__name__}: {error}")
+        for note in prepared.notes[before:]:
+            print(f"snapkv server: {note}", file=sys.stderr, flush=True)
+
+    def saved(self, timeout: float | None = None) -> None:
+        """Wait until every cache handed to the saving thread so far is saved."""
+        self._saver.submit(lambda: None).result(timeout=timeout)
 
     def run(self, request: ChatRequest, cancel: threading.Event, emit: Callable[[str], None]) -> Finished | None:
         """Answer `request`, handing each piece of text to `emit`; None where `cancel` was set before it began.

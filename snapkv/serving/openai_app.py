@@ -127,12 +127,7 @@ class _Answering:
                                           code="internal_error", kind="server_error"))
             finally:
                 loop.call_soon_threadsafe(on_end, self.cancel.is_set(), finished)
-            try:  # the document's cache, saved once the answer is out (the next request waits on this worker)
-                for note in service.save_pending():
-                    print(f"snapkv server: {note}", file=sys.stderr, flush=True)
-            except Exception as error:  # a disk that fails oddly: the answer is out, the server goes on
-                print(f"snapkv server: the cache was not saved: {type(error).__name__}: {error}", file=sys.stderr,
-                      flush=True)
+            service.save_pending()  # the document's cache, saved once the answer is out
 
         self.done = loop.run_in_executor(executor, work)
 
