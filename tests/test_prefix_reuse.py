@@ -13,6 +13,7 @@ from snapkv.engine.models import LoadedModel
 from snapkv.io.documents import Document
 from snapkv.session import Session
 from snapkv.storage.prefixes import CHUNK_TOKENS, chunk_chain, longest_present, shared_length
+from snapkv.storage.quantize import first_rows
 from snapkv.storage.remote import RemoteStore
 from snapkv.storage.store import PREFIXES, CacheStore
 
@@ -141,3 +142,31 @@ def test_a_shared_store_finds_another_machines_prefix(tiny_loaded, tmp_path):
     assert grown.prefix_tokens > CHUNK_TOKENS and not grown.hit
     two.store.clear()
     assert not two.store.fs.exists(f"{two.store.remote_root}/{PREFIXES}")
+
+
+@pytest.mark.parametrize("bits, as_it_was", [("16/8", True), ("8", False), ("4/3", False)])
+def test_the_saved_prefix_is_stored_again_as_it_was_and_answers_as_a_fresh_prefill(tiny_loaded, tmp_path, bits,
+                                                                                    as_it_was):
+    """Where each token is stored on its own (16-bit keys, values per token) the prefix's stored rows are taken as
+    they are, byte for byte; where keys are grouped along tokens (8 and 4 bits) the whole cache is rounded again (the
+    prefix's values to within a step). Either way, a fresh prefill's answers."""
+    settings = SnapKVConfig(budget=96, window=8, store_bits=bits)
+    session = _session(tiny_loaded, tmp_path, settings)
+    first = session.prepare(Document(REPORT))
+    grown = session.prepare(Document(REPORT + " " + LONGER))
+    fresh = _session(tiny_loaded, tmp_path, settings, "fresh").prepare(Document(REPORT + " " + LONGER))
+    shared = grown.prefix_tokens
+    assert shared > CHUNK_TOKENS and _answers(tiny_loaded, grown) == _answers(tiny_loaded, fresh)
+    saved = session.load_file(first.path).cache
+    compared = 0
+    for ours, theirs in zip(grown.cache.payload, saved.payload):
+        for part, before in zip(ours, theirs):
+            ours_rows, their_rows = first_rows(part, shared), first_rows(before, shared)
+            if their_rows is None:
+                continue  # keys grouped along tokens (8 and 4 bits): a group straddles the prefix's end
+            for a, b in ([(ours_rows, their_rows)] if isinstance(part, torch.Tensor) else
+                         zip((ours_rows.packed, ours_rows.scale, ours_rows.minimum),
+                             (their_rows.packed, their_rows.scale, their_rows.minimum))):
+                assert torch.equal(a, b) if as_it_was else torch.allclose(a.float(), b.float(), atol=2, rtol=1e-2)
+                compared += 1
+    assert compared >= len(saved.payload)  # every layer's values at least

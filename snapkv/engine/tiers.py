@@ -27,6 +27,7 @@ from snapkv.compression.scoring import gather_positions
 from snapkv.engine.generation import chunked_prefill, extended, model_device, prefill, run_forward
 from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
 from snapkv.storage.cache import CompressedCache
+from snapkv.storage.quantize import first_rows
 
 Progress = Callable[[int, int], None]
 
@@ -220,4 +221,11 @@ def extend_tier(model, prompter, saved: CompressedCache, context_ids: torch.Tens
     for start in range(shared, context_ids.shape[0], EXTENSION_PIECE):
         cache = extended(model, cache, context_ids[start:start + EXTENSION_PIECE])
     cache = replace(cache, tier=replace(tier, cut=None, bits=Bits(16)), document_span=document)
-    return at_stored_precision(model, prompter, cache.at_precision(16), plan.bits)
+    bits = Bits.parse(plan.bits)
+    # where each token is stored on its own (16 bits, values per token), the prefix's stored rows are taken as they
+    # are and only the rest rounded: the same numbers as rounding it all, at a fraction of the cost
+    prefix = None if saved.payload is None or bits.share or saved.tier.bits != bits else [
+        tuple(first_rows(part, shared) for part in layer) for layer in saved.payload]
+    if prefix is not None and all(part is not None for layer in prefix for part in layer):
+        return cache.at_precision_after(prefix, shared, bits)
+    return at_stored_precision(model, prompter, cache.at_precision(16), bits)

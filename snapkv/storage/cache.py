@@ -9,7 +9,8 @@ from transformers.cache_utils import DynamicLayer
 from snapkv.base.bits import Bits
 from snapkv.compression.config import Tier
 from snapkv.storage.deferred import StoredLayers, restoring_layers
-from snapkv.storage.quantize import dequantize, quantize, quantize_mixed, storage_dtype, stored_schemes
+from snapkv.storage.quantize import (dequantize, joined_rows, quantize, quantize_mixed, storage_dtype,
+                                     stored_schemes)
 
 
 @dataclass
@@ -87,8 +88,8 @@ class CompressedCache:
         for index in range(self.num_layers):
             layer_keys = self.keys.restored(index) if self.deferred else self.keys[index]
             layer_values = self.values.restored(index) if self.deferred else self.values[index]
-            keys.append(layer_keys[:, :length].clone())  # (kv_heads, length, head_dim)
-            values.append(layer_values[:, :length].clone())
+            keys.append(layer_keys[:, :length])  # (kv_heads, length, head_dim)
+            values.append(layer_values[:, :length])
         span = self.document
         return CompressedCache(keys, values, [p[:, :length] for p in self.positions], length,
                                self.token_ids[:length].clone(), replace(self.tier, bits=Bits(16)),
@@ -182,6 +183,27 @@ class CompressedCache:
             values=[v.to(device=device, dtype=dtype) for v in self.values],
             positions=[p.to(device) for p in self.positions],
         )
+
+    def at_precision_after(self, stored_prefix: list[tuple], length: int, bits: "Bits | int") -> "CompressedCache":
+        """The cache as it is stored (at_precision), its first `length` positions taken as `stored_prefix` holds them
+        (per layer (keys, values) stored parts, first_rows of a saved cache whose restored form these positions are),
+        only the positions after them rounded: a saved prefix is stored again byte for byte."""
+        bits = Bits.parse(bits)
+        compute = self.keys[0].dtype
+        keys, values, payload = [], [], []
+        for (layer_keys, layer_values), prefix_parts in zip(zip(self.keys, self.values), stored_prefix):
+            schemes = stored_schemes(bits, layer_keys.shape[-1])
+            stored, restored = [], []
+            for x, scheme, prefix in zip((layer_keys, layer_values), schemes, prefix_parts):
+                rest = x[:, length:]  # (kv_heads, new positions, head_dim)
+                rest = rest.to(prefix.dtype) if scheme is None else quantize(rest, scheme)
+                stored.append(joined_rows(prefix, rest))
+                rest = rest.to(compute) if scheme is None else dequantize(rest, compute)
+                restored.append(torch.cat([x[:, :length], rest], dim=1))
+            keys.append(restored[0])
+            values.append(restored[1])
+            payload.append(tuple(stored))
+        return replace(self, keys=keys, values=values, payload=payload, tier=replace(self.tier, bits=bits))
 
     def at_precision(self, bits: "Bits | int", sharp: list[torch.Tensor] | None = None) -> "CompressedCache":
         """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever

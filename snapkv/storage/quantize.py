@@ -210,6 +210,27 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
     return Quantized(_pack(q.to(torch.uint8), scheme.bits), scale, minimum, tuple(x.shape), scheme)
 
 
+def first_rows(part: "Quantized | Mixed | torch.Tensor", length: int) -> "Quantized | torch.Tensor | None":
+    """A stored (kv_heads, tokens, head_dim) part's first `length` tokens, where each token is stored on its own (16
+    bits, or grouped along channels); None where tokens share groups (keys grouped along tokens, a sharper share)."""
+    if isinstance(part, torch.Tensor):
+        return part[:, :length]
+    if isinstance(part, Quantized) and part.scheme.axis == CHANNELS:
+        return Quantized(part.packed[:, :length], part.scale[:, :length], part.minimum[:, :length],
+                         (part.shape[0], length, part.shape[2]), part.scheme)
+    return None
+
+
+def joined_rows(first: "Quantized | torch.Tensor", second: "Quantized | torch.Tensor") -> "Quantized | torch.Tensor":
+    """Two stored parts of one scheme (first_rows' kind) as one, the second's tokens after the first's."""
+    if isinstance(first, torch.Tensor):
+        return torch.cat([first, second.to(first.dtype)], dim=1)
+    return Quantized(*(torch.cat([a, b], dim=1) for a, b in ((first.packed, second.packed),
+                                                              (first.scale, second.scale),
+                                                              (first.minimum, second.minimum))),
+                     (first.shape[0], first.shape[1] + second.shape[1], first.shape[2]), first.scheme)
+
+
 NATIVE_OUTPUTS = {torch.float32: 0, torch.bfloat16: 1}  # the C kernel's out_kind
 
 
