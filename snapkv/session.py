@@ -332,7 +332,8 @@ class Session:
         prepared = (self._from_longest_prefix(prompt, seed, notes, measure) if path is None else None) \
             or self._prefill(prompt, plan, on_layer, on_step, measure)
         prepared.notes = notes
-        if self.store is not None and not 0 < prepared.tokens - prepared.prefix_tokens < CHUNK_TOKENS:
+        if self.store is not None and not (prepared.prefix_tokens and
+                                           prepared.tokens - prepared.prefix_tokens < CHUNK_TOKENS):
             store_it = partial(self._store, prepared, key, seed, prompt.ids, unreadable)
             if defer_save:
                 prepared.pending_save = store_it

@@ -112,7 +112,8 @@ def test_a_shorter_document_reuses_the_prefix_it_shares(tiny_loaded, tmp_path):
 
 def test_no_reuse_below_a_chunk_for_a_cut_tier_or_another_system_message(tiny_loaded, tmp_path):
     session = _session(tiny_loaded, tmp_path)
-    session.prepare(Document(REPORT[:300]))
+    short = session.prepare(Document(REPORT[:300]))
+    assert short.tokens < CHUNK_TOKENS and short.path.is_file()  # a short prompt prefilled is saved as any other
     assert session.prepare(Document(REPORT[:300] + " and more.")).prefix_tokens == 0  # under one chunk in common
     cut = _session(tiny_loaded, tmp_path, SnapKVConfig(budget=96, window=8, query_aware=False, store_bits=16), "cut")
     cut.prepare(Document(REPORT))
