@@ -74,7 +74,7 @@ def load_with_status(err: Console, model: str | None, device: str, dtype: str,
             status.stop()
             progress.stop()
     seconds = time.perf_counter() - started
-    done(err, f"loaded {loaded.name} ({loaded.device}, {str(loaded.dtype).replace('torch.', '')}) in {seconds:.1f} s")
+    done(err, f"loaded {loaded.name} ({loaded.device}, {loaded.precision}) in {seconds:.1f} s")
     return loaded, seconds
 
 
@@ -204,7 +204,8 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
                    # per phase: CUDA max allocated (weights included) / CPU RSS growth during the phase
                    "prefill_peak_bytes": prepared.prefill_peak_bytes,
                    "answer_peak_bytes": max((a.peak_bytes for a in answers), default=0)},
-        "model": {"name": loaded.name, "context_length": loaded.context_length},
+        "model": {"name": loaded.name, "context_length": loaded.context_length,
+                  "precision": loaded.precision},  # "float32", or "float32 weights, bfloat16 prefill"
     }
 
 

