@@ -70,8 +70,7 @@ DeviceMapOption = Annotated[Optional[Literal["auto", "balanced", "balanced_low_0
     help="Spread a model too large for one GPU over several with accelerate. Each layer's cache stays on that "
          "layer's device.")]
 DtypeOption = Annotated[Literal["auto", "float32", "bfloat16", "float16"], typer.Option(
-    help="auto: bf16 on GPU; on a CPU with bf16 units float32 weights (the native decode's) with the prefill in bf16, "
-         "unless float32 weights would take over half the memory (then bf16); else float32.")]
+    help="auto: bf16 on GPU, bf16 prefill on CPUs with bf16 units, else float32.")]
 SystemOption = Annotated[Optional[str], typer.Option(
     "--system", envvar="SNAPKV_SYSTEM", metavar="TEXT",
     help=f'The system message documents are prompted with (default: "{DEFAULT_SYSTEM}"; "" for the model\'s own). '
