@@ -11,8 +11,8 @@ them) and reports through a callback, so that the web side never waits on torch.
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,9 +147,10 @@ class ChatService:
         return prepared, reused
 
     def save_pending(self) -> None:
-        """Save the caches made for the last request, once its answer is out, on a thread of their own: neither its
-        client nor the next request waits for the file (the next question on the document is answered from memory
-        meanwhile). What goes wrong is written to stderr: the next question on such a document prefills again."""
+        """Save the caches made for the last request (on an accelerator, Session.prepare(defer_save=True)), once its
+        answer is out, on a thread of their own: its client does not wait for the file, nor does a follow-up answered
+        from memory; a request that looks in the store waits for it first (_prepare). What goes wrong is written to
+        stderr: the next question on such a document prefills again."""
         with self._lock:
             unsaved, self._unsaved = self._unsaved, []
         for prepared in unsaved:
