@@ -589,6 +589,14 @@ def test_the_layouts_real_clients_send_keep_one_document_across_questions(client
     assert "```" not in asked.question and "</" not in asked.question
 
 
+def test_a_question_of_two_lines_after_a_longer_document_leaves_the_document_where_it_is():
+    """The question's own message splits (two lines), but a longer text came before it: that is the document."""
+    two_lines = "What was the revenue?\nAnswer in euros."
+    for messages in ([("system", DOC), ("user", two_lines)], [("user", DOC), ("user", two_lines)]):
+        chat = _layout(*messages)
+        assert chat.document == DOC and chat.question == two_lines and chat.turns == ()
+
+
 @pytest.mark.parametrize("body, param", [
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "user", "content": "doc"}, {"role": "assistant", "content": "a"}]},

@@ -224,7 +224,7 @@ def _layout(systems: list[str], texts: list[tuple[str, str]],
     is the document alone followed by the assistant's acknowledgement, which is dropped (aider's files: "Ok, ...")."""
     system_text = "\n\n".join(systems)
     in_question = _split_one_message(question)
-    longest = max([("question", len(in_question[0]))] if in_question else []
+    longest = max(([("question", len(in_question[0]))] if in_question else [])
                   + [("system", len(system_text))] * bool(systems)
                   + [(index, len(text)) for index, (role, text) in enumerate(texts) if role == "user"],
                   key=lambda item: item[1], default=None)
