@@ -175,12 +175,21 @@ def _document_and_turns(texts: list[tuple[str, str]], systems: list[str]) -> tup
 _CLOSING_LINE = re.compile(r"^[ \t]*(?:```|~~~|</[A-Za-z_][\w.:-]*>)[ \t]*$", re.MULTILINE)
 
 
+def _last_block(text: str) -> tuple[str, str] | None:
+    """(the stripped text up to and with the closing line of its last attached block, what follows it, stripped), or
+    None where no line closes a block (a code fence, a closing tag)."""
+    text = text.strip()
+    closings = list(_CLOSING_LINE.finditer(text))
+    if not closings:
+        return None
+    end = closings[-1].end()
+    return text[:end].strip(), text[end:].strip()
+
+
 def _ends_with_block(text: str) -> bool:
-    """Whether the text ends with the closing line of an attached block (a code fence, a closing tag)."""
-    closing = None
-    for closing in _CLOSING_LINE.finditer(text.strip()):
-        pass
-    return closing is not None and not text.strip()[closing.end():].strip()
+    """Whether the text ends with the closing line of an attached block."""
+    block = _last_block(text)
+    return block is not None and not block[1]
 
 
 def _split_one_message(text: str) -> tuple[str, str] | None:
@@ -194,13 +203,12 @@ def _split_one_message(text: str) -> tuple[str, str] | None:
     paragraph of one line. The document's own trailing white space is not part of it, so that `$(cat f)` and
     `open(f).read()` are the same document."""
     text = text.strip()
-    closings = list(_CLOSING_LINE.finditer(text))
-    if closings:
-        after = text[closings[-1].end():].strip()
-        if not after:
+    block = _last_block(text)
+    if block is not None:
+        if not block[1]:
             return None
-        if "\n\n" not in after:
-            return text[:closings[-1].end()].strip(), after
+        if "\n\n" not in block[1]:
+            return block
     separator = "\n\n" if "\n\n" in text else "\n"
     parts = [part for part in text.split(separator) if part.strip()]
     if len(parts) < 2:

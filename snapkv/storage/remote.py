@@ -100,11 +100,11 @@ class RemoteStore(CacheStore):
     def _read_entry(self, chunk_hash: str) -> str | None:
         """The key the URL's entry holds (another machine's newer cache may have replaced this machine's)."""
         try:
-            if self.fs.exists(self._remote_entry(chunk_hash)):
-                return as_key(self.fs.cat_file(self._remote_entry(chunk_hash)))
+            return as_key(self.fs.cat_file(self._remote_entry(chunk_hash)))
+        except FileNotFoundError:  # only here
+            return super()._read_entry(chunk_hash)
         except (OSError, ValueError) as error:
             raise StorageError(f"cannot read the prefix index of the store {self.url}: {error}") from error
-        return super()._read_entry(chunk_hash)
 
     def _write_entries(self, entries: dict[str, str]) -> None:
         """Here and under the URL, in one request where the backend batches them (each entry is one small object,
