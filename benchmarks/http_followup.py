@@ -51,10 +51,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(command: list[str]):
-    """`snapkv serve --http` on a free port until the block ends: an openai client for it."""
+def running_server(command: list[str], env: dict | None = None):
+    """`snapkv serve --http` on a free port until the block ends (in `env`, default this process's environment): an
+    openai client for it."""
     port = free_port()
-    server = subprocess.Popen(command + ["--http", str(port)], stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(command + ["--http", str(port)], stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in server.stderr:
             sys.stderr.write(line)

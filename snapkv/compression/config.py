@@ -374,10 +374,13 @@ def engine_setting(value: str | None = None) -> str:
 
 
 def check_runtime_settings() -> None:
-    """SNAPKV_ENGINE and SNAPKV_KERNELS, checked before a command loads anything: ConfigError for a bad value."""
+    """SNAPKV_ENGINE, SNAPKV_THREADS and SNAPKV_KERNELS, checked before a command loads anything: ConfigError for a
+    bad value."""
     from snapkv import native
+    from snapkv.native.threads import threads_setting
 
     engine_setting()
+    threads_setting()
     try:
         native.setting()
     except ValueError as error:

@@ -23,6 +23,7 @@ import torch
 from snapkv import native
 from snapkv.compression.compress import CompressionPlan
 from snapkv.compression.methods import Chunks, SnapKV
+from snapkv.native.threads import threads_now
 from snapkv.storage.deferred import RestoringLayer
 from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Quantized
 
@@ -110,7 +111,7 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
             None if words is None else native.pointer(words, torch.int64), prefix_keep, window,
             native.pointer(output, fp32),
             native.pointer(indices, torch.int64), kept, native.pointer(kept_keys, fp32),
-            native.pointer(kept_values, fp32), torch.get_num_threads()) != 0:
+            native.pointer(kept_values, fp32), threads_now()) != 0:
         return None  # a NaN score, or memory ran out: the restored path decides
     layer.keys, layer.values = kept_keys, kept_values
     layer.restored = True

@@ -16,6 +16,7 @@ from snapkv.engine.conversion import EMBEDDED_NAME, convert_gguf, embedded_gguf_
 from snapkv.engine.memory import USABLE_SHARE, free_bytes
 from snapkv.engine.prompting import Prompter
 from snapkv.modeling.architectures import check_supported, layer_devices, text_config
+from snapkv.native.threads import threads_now
 
 
 @dataclass
@@ -237,6 +238,7 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     if device_map is not None and device_map not in DEVICE_MAPS:
         raise ConfigError(f"unknown device map {device_map!r}: use {', '.join(DEVICE_MAPS)}")
     torch_device = pick_device(device)
+    threads_now()  # the first reading of what other processes use: the load's seconds are the first window
     name, source = resolve_model_source(spec, on_convert)
     torch_dtype, prefill_dtype = pick_precision(dtype, torch_device, _weight_bytes(source))
     transformers_logging.disable_progress_bar()  # loading takes seconds; its per-tensor bar is noise

@@ -25,6 +25,7 @@ from snapkv import native
 from snapkv.engine import lean_decode
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
 from snapkv.modeling.presized import PresizedLayer
+from snapkv.native.threads import threads_now
 
 ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
 
@@ -81,7 +82,7 @@ class NativeDecoder:
         status = native.kernels().decode_token(
             ctypes.byref(self._shape), self._layers, len(self._layers), native.pointer(self._hidden, torch.float32),
             native.pointer(cos, torch.float32, head_dim), native.pointer(sin, torch.float32, head_dim),
-            torch.get_num_threads())
+            threads_now())
         if status == ROOM_EXHAUSTED:
             return None
         if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
@@ -186,7 +187,7 @@ class QuestionLayers:
                 ctypes.byref(shape), ctypes.byref(self._layers[index]), rows,
                 native.pointer(hidden, fp32, (1, rows, shape.hidden)), native.pointer(cos, fp32, angles),
                 native.pointer(sin, fp32, angles), *(native.pointer(out, fp32) for out in (normed, query, key, value)),
-                torch.get_num_threads()) != 0:
+                threads_now()) != 0:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
         return normed, query, key, value
 
@@ -197,7 +198,7 @@ class QuestionLayers:
         if native.kernels().question_after_attention(
                 ctypes.byref(shape), ctypes.byref(self._layers[index]), rows,
                 native.pointer(attended, torch.float32, (1, rows, shape.heads * shape.head_dim)),
-                native.pointer(hidden, torch.float32, (1, rows, shape.hidden)), torch.get_num_threads()) != 0:
+                native.pointer(hidden, torch.float32, (1, rows, shape.hidden)), threads_now()) != 0:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from snapkv import native
+from snapkv.native.threads import threads_now
 
 BLOCK = 32
 KERNEL_ROWS = 1  # rows taken by the block kernel (it measured no faster at 2+, see docs/measurements.md)
@@ -105,7 +106,7 @@ def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, weight.shape[0])
     fp32 = torch.float32
     if native.kernels().linear_rows(native.pointer(x, fp32), rows, inputs, native.pointer(weight, fp32, (None, inputs)),
-                                    weight.shape[0], native.pointer(y, fp32), torch.get_num_threads()) != 0:
+                                    weight.shape[0], native.pointer(y, fp32), threads_now()) != 0:
         return F.linear(x, weight)
     return y
 
@@ -119,7 +120,7 @@ def few_rows_blocks_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -
     codes, scale, minimum = blocks.pointers()
     status = native.kernels().linear_rows_blocks(native.pointer(x, torch.float32), rows, inputs, blocks.bits, codes,
                                                  scale, minimum, out_features, native.pointer(y, torch.float32),
-                                                 torch.get_num_threads())
+                                                 threads_now())
     return y if status == 0 else None
 
 
@@ -136,7 +137,7 @@ def blockwise_matmul(x: torch.Tensor, blocks: Blocks, out_features: int) -> torc
     library = native.kernels()
     rows, inputs = x.shape
     y = torch.empty(rows, out_features)
-    threads = torch.get_num_threads()
+    threads = threads_now()
     codes, scale, minimum = blocks.pointers()
     x_address, y_address = native.pointer(x, torch.float32), native.pointer(y, torch.float32)
     if blocks.bits == 4:

@@ -25,6 +25,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from snapkv import native
+from snapkv.native.threads import threads_now
 
 NAME = "snapkv_cpu_decode"
 SIXTEEN_BITS = (torch.bfloat16, torch.float16)
@@ -130,7 +131,7 @@ def _attend_natively(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         native.pointer(key, fp32, strided=True), key.stride(1), native.pointer(value, fp32, strided=True),
         value.stride(1), n, head_dim, native.pointer(tail, fp32, (rows, rows)), native.pointer(weights, fp32),
         native.pointer(output, fp32), window, None if sums is None else native.pointer(sums, fp32),
-        torch.get_num_threads())
+        threads_now())
     return (output, sums) if status == 0 else None
 
 

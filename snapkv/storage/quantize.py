@@ -20,6 +20,7 @@ import torch
 from snapkv import native
 from snapkv.base.bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Scheme,  # noqa: F401 (re-exported)
                               values_per_chunk)
+from snapkv.native.threads import threads_now
 
 GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide value groups) lost needles at 4 bits
 
@@ -248,7 +249,7 @@ def _dequantize_natively(quantized: Quantized, rows: torch.Tensor, destination: 
         native.pointer(minimum, torch.float16, tuple(scale.shape)), heads, tokens, head_dim, scheme.bits,
         int(scheme.axis == TOKENS), scheme.group, (head_dim & -head_dim) if scheme.rotated else 0,
         None if destination is None else native.pointer(destination, torch.int64, (heads * tokens,)),
-        native.pointer(rows, rows.dtype, (None, head_dim)), NATIVE_OUTPUTS[rows.dtype], torch.get_num_threads())
+        native.pointer(rows, rows.dtype, (None, head_dim)), NATIVE_OUTPUTS[rows.dtype], threads_now())
     return status == 0
 
 

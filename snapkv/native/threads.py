@@ -1,0 +1,158 @@
+"""How many threads snapkv's C kernels run with: the cores this process may use, less the ones other processes keep
+busy.
+
+Two processes that each run a thread per core on the same cores slow each other down far more than by half. Every
+decoded token passes about 240 OpenMP barriers; a thread whose partner has lost its core to the other process waits
+at the barrier until the partner runs again. On 2 cores two decodes at once ran at 20 tokens/s each, against 95
+alone; with one thread each they ran at 53 each (benchmarks/shared_cores.py, docs/measurements.md).
+
+So the kernels' thread count follows the machine. `threads_now()` is asked at every kernel call. At most every
+SAMPLE_SECONDS it reads how long the allowed cores were busy (/proc/stat) and subtracts this process's own CPU time
+(time.process_time, all its threads); the count is the cores left over, at least one. When the other process ends,
+the next reading gives the cores back.
+
+Only the C kernels follow it. Each of their outputs is summed by one thread in a fixed order, so their results are
+the same whatever the count (tests/test_cores.py). PyTorch's own matrix products are not: at a few rows (a question's)
+a product in fp32 differs in its last bits between one thread and two. So torch's thread count is left as it was,
+and an answer never depends on how busy the machine is.
+
+The count stays fixed at torch's own in three cases:
+- the machine has no /proc/stat (macOS, Windows);
+- a CPU quota (cgroup cpu.max) is below the allowed cores: /proc/stat then counts the host's other tenants;
+- SNAPKV_THREADS=N fixes it to N.
+"""
+
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from snapkv.base.errors import ConfigError
+
+SETTING = "SNAPKV_THREADS"  # auto (the default) or a fixed count
+SAMPLE_SECONDS = 0.25       # the shortest window over which other processes' use is measured
+IGNORED_USE = 0.25          # cores used by others below this are not worth giving a thread up for
+STAT = Path("/proc/stat")
+QUOTA = Path("/sys/fs/cgroup/cpu.max")
+
+
+def threads_setting() -> int | None:
+    """The fixed count SNAPKV_THREADS asks for, None for auto (the default); ConfigError for anything else."""
+    chosen = os.environ.get(SETTING, "").strip().lower() or "auto"
+    if chosen == "auto":
+        return None
+    if not chosen.isdigit() or int(chosen) < 1:
+        raise ConfigError(f"{SETTING} is 'auto' or a whole number of threads above 0, not {chosen!r}")
+    return int(chosen)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading: when (monotonic seconds), the allowed cores' busy time and this process's CPU time (seconds)."""
+    wall: float
+    busy: float
+    own: float
+
+
+def busy_seconds(stat_text: str, cpus: frozenset[int], ticks_per_second: float) -> float:
+    """The seconds the CPUs `cpus` have spent on anything but idling, from /proc/stat's text.
+
+    Each `cpuN` line counts ticks of user, nice, system, idle, iowait, irq, softirq, steal, ...; idle and iowait
+    are free time. Steal counts as busy: the hypervisor gave that core to someone else.
+    """
+    busy_ticks = 0
+    for line in stat_text.splitlines():
+        name, _, counts = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(count) for count in counts.split()]
+        busy_ticks += sum(ticks[:8]) - ticks[3] - ticks[4]  # guest time is already inside user
+    return busy_ticks / ticks_per_second
+
+
+def threads_left(most: int, others_cores: float) -> int:
+    """The threads to run when other processes keep `others_cores` cores busy on average: at least one."""
+    taken = max(0, math.ceil(others_cores - IGNORED_USE))
+    return max(1, min(most, most - taken))
+
+
+def quota_cores(text: str) -> int | None:
+    """cgroup v2's cpu.max ("max 100000" or "<quota> <period>") as whole cores, None where unlimited."""
+    quota, _, period = text.strip().partition(" ")
+    if quota == "max" or not period:
+        return None
+    return max(1, math.ceil(int(quota) / int(period)))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+class CoreShare:
+    """The thread count for this process, refreshed from a reading of the machine every SAMPLE_SECONDS."""
+
+    def __init__(self, most: int, cpus: frozenset[int] | None,
+                 read_stat: Callable[[], str | None] = lambda: _read(STAT),
+                 clock: Callable[[], float] = time.monotonic, own_time: Callable[[], float] = time.process_time,
+                 ticks_per_second: float = 100.0) -> None:
+        """most: the threads to use alone; cpus: the cores this process may run on, None to keep `most` fixed."""
+        self.most = self.threads = most
+        self._cpus, self._read_stat, self._clock, self._own_time = cpus, read_stat, clock, own_time
+        self._ticks = ticks_per_second
+        self._last = self._sample() if cpus is not None else None
+        self._lock = threading.Lock()
+
+    def _sample(self) -> Sample | None:
+        text = self._read_stat()
+        if text is None:
+            return None
+        return Sample(self._clock(), busy_seconds(text, self._cpus, self._ticks), self._own_time())
+
+    def fit(self) -> int:
+        """The threads to use now; reads the machine where the last reading is SAMPLE_SECONDS old."""
+        if self._last is None or self._clock() - self._last.wall < SAMPLE_SECONDS:
+            return self.threads
+        with self._lock:
+            now = self._sample()
+            if now is None or now.wall - self._last.wall < SAMPLE_SECONDS:
+                return self.threads
+            others = (now.busy - self._last.busy) - (now.own - self._last.own)  # CPU seconds of other processes
+            self.threads = threads_left(self.most, others / (now.wall - self._last.wall))
+            self._last = now
+        return self.threads
+
+
+def _machine_share() -> CoreShare:
+    """This process's CoreShare: SNAPKV_THREADS, else torch's own count adjusted to what others use."""
+    import torch  # its own count (OMP_NUM_THREADS, else the physical cores) is the most the kernels use
+
+    fixed = threads_setting()
+    if fixed is not None:
+        return CoreShare(fixed, None)
+    most = torch.get_num_threads()
+    cpus = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    quota = quota_cores(_read(QUOTA) or "max")
+    if quota is not None and cpus is not None and quota < len(cpus):
+        return CoreShare(min(most, quota), None)
+    if cpus is not None and _read(STAT) is None:
+        cpus = None
+    return CoreShare(most, cpus, ticks_per_second=float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0)
+
+
+_share: CoreShare | None = None
+_share_lock = threading.Lock()
+
+
+def threads_now() -> int:
+    """The threads a C kernel called now runs with: this process's share of the cores."""
+    global _share
+    if _share is None:
+        with _share_lock:
+            _share = _share or _machine_share()
+    return _share.fit()
