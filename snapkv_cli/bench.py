@@ -116,7 +116,8 @@ def bench(
                            repeats=repeats,
                            allow_extrapolation=allow_extrapolation, random_weights=random_weights is not None,
                            max_prefill_seconds=max_prefill_seconds, prefill_chunk=prefill_chunk, engine=engine,
-                           on_row=lambda row: update(f"Measured {row.method} at {row.length} tokens..."))
+                           on_row=lambda row: update(f"Measured {row.method} at {row.length} tokens..."),
+                           on_progress=update)
     if plot is not None:
         _plot(result, plot)
     if as_json:

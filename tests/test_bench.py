@@ -124,6 +124,10 @@ def test_a_length_too_long_for_the_exact_prefill_gets_snapkv_in_chunks_and_the_f
     assert set(data["growth"]["snapkv 128 in chunks of 256"]) == {"prefill_seconds", "decode_ms_per_token",
                                                                    "peak_memory_bytes"}
     assert data["followup"] is None and sum("in chunks of 256" in note for note in data["notes"]) == 2
+    progress = [line for line in result.stderr.splitlines() if "Prefilling" in line]  # off a terminal: lines
+    for length in (600, 1200):
+        said = [line for line in progress if f"Prefilling {length} tokens, SnapKV at 128 in chunks of 256" in line]
+        assert len(said) >= 3 and said[-1].startswith("snapkv: ") and "100% done (" in said[-1], progress
 
 
 def test_fit_growth_recovers_the_exponent():

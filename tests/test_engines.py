@@ -55,6 +55,17 @@ def test_every_engine_answers_as_the_model_forward_on_every_tiny_architecture(na
         assert used.steps in ("torch", "reference")  # no 4/8-bit blocks: no C decode step
 
 
+def test_a_bf16_model_is_reported_as_the_torch_engine_it_runs_on():
+    """In bf16 nothing of the native engine applies (its parts and the codes' attention are fp32): the pass and the
+    steps are PyTorch's ops, and `used` says torch, not native."""
+    import torch
+
+    model = build_tiny("llama-gqa").to(torch.bfloat16)
+    cache = prefill(model, ids(PROMPT, 1), None)
+    _, used = answers(model, cache, "auto", Cut(64, 8), tokens=4)
+    assert used.question == used.steps == "torch"
+
+
 @pytest.mark.skipif(not has_kernels, reason=f"no C kernels: {native.unavailable_reason()}")
 @pytest.mark.parametrize("variant", native.runnable_variants() if has_kernels else [])
 def test_the_native_engine_answers_as_the_model_forward_with_every_kernel_variant(variant, monkeypatch, tmp_path):

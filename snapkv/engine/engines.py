@@ -164,8 +164,11 @@ class Native(Engine):
     def question_pass(self, model, question_ids, start, working, plan):
         if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):
             return None
+        layers = native_decode.question_layers(model)  # None: the layers' parts stay PyTorch's
+        if layers is None and model.dtype != torch.float32:
+            return None  # nor can the attention read the codes (fp32 only): all of it would be the torch engine's
         return lean_decode.question_pass(model, question_ids.to(model_device(model)), start, working, plan,
-                                         native_decode.question_layers(model), from_codes=True)
+                                         layers, from_codes=True)
 
     def stepper(self, model, working, position, steps):
         if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):

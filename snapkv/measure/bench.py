@@ -7,6 +7,7 @@ through Session, as the CLI's do, with its measuring option on.
 import math
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -116,8 +117,8 @@ def _row(session: Session, prepared: PreparedDocument, answers: list[AnswerResul
 def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, settings: SnapKVConfig = DEFAULTS,
               decode_tokens: int = 32, repeats: int = 3, allow_extrapolation: bool = False,
               random_weights: bool = False, followup: bool = True, filler: str | None = None,
-              on_row=None, max_prefill_seconds: float = 600.0, prefill_chunk: int = 4096,
-              engine: str | None = None) -> BenchResult:
+              on_row=None, on_progress: Callable[[str], None] | None = None, max_prefill_seconds: float = 600.0,
+              prefill_chunk: int = 4096, engine: str | None = None) -> BenchResult:
     """For each length: the full cache and SnapKV (`settings` at each budget), in this one process.
 
     Each method is prefilled once; then the answers (first token and decode) are timed `repeats` times,
@@ -125,6 +126,8 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
     machine does not land on one method only. A short warm-up prefill comes first, and times the machine's
     prefill rate: a length whose exact prefill is estimated past `max_prefill_seconds`, or does not fit in
     memory, gets SnapKV prefilled in chunks of `prefill_chunk` tokens and the full cache's estimate instead.
+    on_row(row) as each row is measured; on_progress(text) as each prefill starts and at each tenth of it (a 128k
+    prefill takes minutes).
     """
     context = loaded.context_length
     too_long = [n for n in lengths if context and n > context]
@@ -164,8 +167,9 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
                 f"{length} tokens: the exact prefill would take about {rate.exact_seconds(length):.0f} s "
                 f"(over --max-prefill-seconds {max_prefill_seconds:g}) or not fit in memory; SnapKV is "
                 f"prefilled in chunks of {prefill_chunk} tokens and the full cache's row is that estimate")
-        prepared = [session.prepare(session.prompt(document, max_tokens=length), measure=True) if session else None
-                    for session in active]
+        prepared = [session.prepare(session.prompt(document, max_tokens=length), measure=True,
+                                    on_layer=_tenths(on_progress, f"Prefilling {length} tokens, {_label(session)}"))
+                    if session else None for session in active]
         answers: list[list[AnswerResult]] = [[] for _ in active]
         for _ in range(repeats):
             for index, session in enumerate(active):
@@ -183,6 +187,30 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
             result.followup = _followup(sessions[1], prepared[1], prepared[0].prefill_seconds)
     result.growth = fit_growth(result.rows)
     return result
+
+
+def _label(session: Session) -> str:
+    """The method a session measures, as a progress line names it."""
+    settings = session.settings
+    if settings is None:
+        return "full cache"
+    chunks = f" in chunks of {settings.prefill_chunk}" if settings.prefill_chunk else ""
+    return f"SnapKV at {settings.budget}{chunks}"
+
+
+def _tenths(on_progress: Callable[[str], None] | None, label: str) -> Callable[[int, int], None] | None:
+    """A prefill's progress callback (parts done, in all) that says `label` and the share done at each tenth."""
+    if on_progress is None:
+        return None
+    on_progress(f"{label}...")
+    said = [0]
+
+    def on_part(done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth > said[0]:
+            said[0] = tenth
+            on_progress(f"{label}: {tenth * 10}% done...")
+    return on_part
 
 
 def _fits(loaded: LoadedModel, length: int) -> bool:
