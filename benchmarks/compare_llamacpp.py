@@ -13,6 +13,7 @@ token ids snapkv prefilled.
 import argparse
 import json
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--allow-extrapolation", action="store_true",
+                        help="lengths past the model's context (32k on the embedded model): speed only")
     parser.add_argument("--side", default="snapkv", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
     parser.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -77,9 +80,10 @@ def main() -> None:
     length = parse_size(args.tokens, name="--tokens")
     loaded = load_model()
     result = run_bench(loaded, [length], [args.budget], decode_tokens=args.decode_tokens, repeats=3,
-                       followup=False)
+                       followup=False, allow_extrapolation=args.allow_extrapolation,
+                       on_progress=lambda text: print(text, file=sys.stderr, flush=True))
     # llama.cpp gets the ids of the full cache's prompt and question, exactly as snapkv fed them
-    session = Session(loaded, None)
+    session = Session(loaded, None, allow_extrapolation=args.allow_extrapolation)
     prompt = session.prompt(Document(build_haystack(loaded.tokenizer, filler_text(), length, 0.5, "48613").text),
                         max_tokens=length)
     question = loaded.prompter.question_ids(NEEDLE_QUESTION, answer_prefix=NEEDLE_ANSWER_PREFIX)
@@ -92,13 +96,17 @@ def main() -> None:
                         "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)], check=True)
         theirs = json.loads(out_file.read_text())
     answer = loaded.tokenizer.decode(theirs["tokens"])
-    print(f"{loaded.name}, snapkv in {str(loaded.dtype).replace('torch.', '')}, llama.cpp on the GGUF as shipped; "
+    print(f"{loaded.name}, snapkv in {loaded.precision}, llama.cpp on the GGUF as shipped; "
           f"{args.threads} threads; read bandwidth {result.read_bandwidth / 1e9:.1f} GB/s")
     print(f"{'engine':<28}{'tokens':>7}{'prefill s':>11}{'decode ms/tok':>15}{'floor ms':>10}{'needle':>8}")
     for row in result.rows:
         name = "snapkv full cache" if row.method == "full" else f"snapkv SnapKV {row.budget}"
+        if row.estimated:
+            print(f"{name:<28}{row.length:>7}{row.prefill_seconds:>10.0f}~ (estimated: not run)")
+            continue
+        needle = "-" if row.needle_found is None else "found" if row.needle_found else "missed"
         print(f"{name:<28}{row.length:>7}{row.prefill_seconds:>11.2f}{row.decode_ms_per_token:>15.1f}"
-              f"{row.floor_ms_per_token:>10.1f}{'found' if row.needle_found else 'missed':>8}")
+              f"{row.floor_ms_per_token:>10.1f}{needle:>8}")
     print(f"{'llama.cpp full cache':<28}{len(prompt.ids):>7}{theirs['prefill_seconds']:>11.2f}"
           f"{theirs['decode_ms_per_token']:>15.1f}{'':>10}{'found' if '48613' in answer else 'missed':>8}")
     snapkv_row = result.rows[-1]
