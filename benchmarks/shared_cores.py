@@ -1,5 +1,5 @@
 """Two snapkv processes on the same cores against one alone, with the thread count fitted to the cores other processes
-leave (the default, snapkv.engine.cores) and fixed at one thread per core (SNAPKV_THREADS=N: what every process did
+leave (the default, snapkv.native.threads) and fixed at one thread per core (SNAPKV_THREADS=N: what every process did
 before), side by side in one run:
 
 1. decode: `snapkv ask --no-server` on a saved document, alone, then two at once (decode tokens/s, first token);

@@ -1,4 +1,4 @@
-"""The thread count follows the cores other processes leave free (snapkv.engine.cores): read from /proc/stat's busy
+"""The thread count follows the cores other processes leave free (snapkv.native.threads): read from /proc/stat's busy
 time less this process's own, refreshed at most every SAMPLE_SECONDS; fixed by SNAPKV_THREADS, a CPU quota, or a
 machine without /proc/stat. benchmarks/shared_cores.py measures what it buys."""
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from snapkv import native
-
 from snapkv.base.errors import ConfigError
 from snapkv.native import threads
 from snapkv.native.threads import CoreShare, busy_seconds, quota_cores, threads_left, threads_setting

@@ -12,7 +12,7 @@ SAMPLE_SECONDS it reads how long the allowed cores were busy (/proc/stat) and su
 the next reading gives the cores back.
 
 Only the C kernels follow it. Each of their outputs is summed by one thread in a fixed order, so their results are
-the same whatever the count (tests/test_cores.py). PyTorch's own matrix products are not: at a few rows (a question's)
+the same whatever the count (tests/test_threads.py). PyTorch's own matrix products are not: at a few rows (a question's)
 a product in fp32 differs in its last bits between one thread and two. So torch's thread count is left as it was,
 and an answer never depends on how busy the machine is.
 
@@ -101,7 +101,8 @@ class CoreShare:
                  read_stat: Callable[[], str | None] = lambda: _read(STAT),
                  clock: Callable[[], float] = time.monotonic, own_time: Callable[[], float] = time.process_time,
                  ticks_per_second: float = 100.0) -> None:
-        """most: the threads to use alone; cpus: the cores this process may run on, None to keep `most` fixed."""
+        """most: the threads to use alone; cpus: the cores this process may run on, None to keep `most` fixed (as
+        where read_stat finds nothing to read)."""
         self.most = self.threads = most
         self._cpus, self._read_stat, self._clock, self._own_time = cpus, read_stat, clock, own_time
         self._ticks = ticks_per_second
@@ -140,8 +141,6 @@ def _machine_share() -> CoreShare:
     quota = quota_cores(_read(QUOTA) or "max")
     if quota is not None and cpus is not None and quota < len(cpus):
         return CoreShare(min(most, quota), None)
-    if cpus is not None and _read(STAT) is None:
-        cpus = None
     return CoreShare(most, cpus, ticks_per_second=float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0)
 
 
