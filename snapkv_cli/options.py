@@ -47,7 +47,7 @@ StoreKeepOption = Annotated[Optional[float], typer.Option(
 StoreMethodOption = Annotated[Literal["reconstruction", "snapkv", "pseudo-question", "key-norm"], typer.Option(
     help="How the saved tier's positions are chosen when --store-keep or --store-budget drops some.")]
 def _bits(value):
-    """A parser for --store-bits: 8, KEYS/VALUES as 4/3, or REST+SHARE%@SHARP as 3/2+20%@8/4."""
+    """A parser for --store-bits: 8, KEYS/VALUES as 4/3, a kind's form as 8r/8, or REST+SHARE%@SHARP as 3/2+20%@8/4."""
     try:
         return Bits.parse(value)
     except ValueError as error:
@@ -56,8 +56,9 @@ def _bits(value):
 
 StoreBitsOption = Annotated[Bits, typer.Option(
     parser=_bits, metavar="BITS",
-    help="Bits per saved key and value: 16, 8, 4, 3 or 2; KEYS/VALUES (16/8); or a sharper share, REST+SHARE%@SHARP "
-         "(3/2+20%@8/4). What each changes in answers: `snapkv info FILE` and README, What is saved.")]
+    help="Bits per saved key and value: 16, 8, 4, 3 or 2; KEYS/VALUES (16/8); a kind's bits followed by r "
+         "(Hadamard-rotated), u (unrotated) or gN (groups of N), as 8r/8 or 8/4g32; or a sharper share, "
+         "REST+SHARE%@SHARP (3/2+20%@8/4). What each changes in answers: `snapkv info FILE` and README, What is saved.")]
 PrefillChunkOption = Annotated[Optional[int], typer.Option(
     parser=size("--prefill-chunk"), metavar="SIZE",
     help="Prefill in chunks of SIZE tokens, cut back after each: memory bounded, time linear in length, fewer "

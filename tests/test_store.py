@@ -169,10 +169,10 @@ def test_newer_format_is_refused(tiny_loaded, tmp_path):
 
     _, prepared = saved(tiny_loaded, tmp_path)
     metadata = read_metadata(prepared.path)
-    metadata["version"] = "5.1"
+    metadata["version"] = "6.1"
     save_file(load_file(str(prepared.path)), str(tmp_path / "new.snapkv"), metadata={"snapkv": json.dumps(metadata)})
-    with pytest.raises(CacheFileError, match=r"newer snapkv \(cache format 5.1; this snapkv reads formats 1.x to "
-                                             r"4.x\). Upgrade snapkv"):
+    with pytest.raises(CacheFileError, match=r"newer snapkv \(cache format 6.1; this snapkv reads formats 1.x to "
+                                             r"5.x\). Upgrade snapkv"):
         load_cache(tmp_path / "new.snapkv")
 
 

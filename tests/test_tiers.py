@@ -15,7 +15,7 @@ from snapkv.engine.generation import answer, prefill
 from snapkv.compression.methods import KeyNorm, Probe, PseudoQuestion, Reconstruction, SnapKV
 from snapkv import native
 from snapkv.storage import quantize as quantize_module
-from snapkv.base.bits import Bits
+from snapkv.base.bits import Bits, Form
 from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Scheme, dequantize, quantize, quantize_mixed, stored_schemes
 from snapkv.session import Session
 from snapkv.storage.store import CacheStore
@@ -149,6 +149,25 @@ def test_stored_bits_read_as_one_number_or_keys_over_values():
     keys, values = stored_schemes(Bits(4, 3), 64)
     assert (keys.bits, keys.axis, keys.rotated, values.bits, values.axis, values.group) == (4, TOKENS, True, 3, CHANNELS, 64)
     assert not any(s.rotated for s in stored_schemes(Bits(8), 64))  # 8 bits: KIVI's plain groups of 32
+
+
+def test_stored_bits_take_a_form_per_kind():
+    """r/u after a kind's bits chooses its rotation, gN its group size; what is left out keeps the default."""
+    rotated = Bits.parse("8r/8")
+    assert (rotated.keys, rotated.values, rotated.key_form, rotated.value_form) == (8, 8, Form(True), Form())
+    assert str(rotated) == rotated.to_json() == "8r/8" and rotated != 8 and rotated != Bits(8)
+    assert str(Bits.parse("4g32/4g32")) == "4g32" and Bits.parse("4ug32/3").key_form == Form(False, 32)
+    assert Bits.parse("4/2g32+20%@8/4").rest == Bits.parse("4/2g32") and Bits.parse("8r").describe() == \
+        "8r-bit (r: rotated)"
+    assert len({Bits.parse("8r/8"), Bits(8, key_form=Form(rotated=True)), Bits(8)}) == 2
+    for bad in ("16r/8", "8/16g32", "4g33/4", "8x", "8rr", "4/2+20%@8r/4", "g32"):
+        with pytest.raises(ValueError):
+            Bits.parse(bad)
+    keys, values = stored_schemes(Bits.parse("8r/4g32"), 64)
+    assert (keys.bits, keys.axis, keys.group, keys.rotated) == (8, TOKENS, 32, True)  # 8 bits' group, rotated
+    assert (values.bits, values.axis, values.group, values.rotated) == (4, CHANNELS, 32, True)  # below 8: rotated
+    keys, _ = stored_schemes(Bits.parse("4ug64/4"), 64)
+    assert (keys.group, keys.rotated) == (64, False)
 
 
 def test_stored_bits_take_a_sharper_share():
@@ -302,7 +321,7 @@ def test_derived_tier_equals_a_built_one(tiny_loaded):
 
 # ------------------------------------------------------------------------------------------ files
 
-@pytest.mark.parametrize("bits", [16, "16/8", "16/4", 8, 4, 2, "4/3", "4/2+20%@4"])
+@pytest.mark.parametrize("bits", [16, "16/8", "16/4", 8, 4, 2, "4/3", "4/2+20%@4", "8r/4g32"])
 def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tmp_path, bits):
     settings = SnapKVConfig(budget=48, window=8, store_keep=0.5, store_method="reconstruction", store_bits=bits)
     session = Session(tiny_loaded, settings, store=CacheStore(tmp_path))
@@ -318,9 +337,11 @@ def test_a_tier_answers_the_same_before_saving_and_after_loading(tiny_loaded, tm
     assert list(answer(tiny_loaded.model, built.cache, question, per_question=cut, max_new_tokens=8)) == \
         list(answer(tiny_loaded.model, reloaded.cache, question, per_question=cut, max_new_tokens=8))
     metadata = read_metadata(built.path)
-    version = "4.0" if str(bits).startswith("16/") else "3.0" if "%" in str(bits) else "2.0"
+    formed = Bits.parse(bits).key_form or Bits.parse(bits).value_form
+    version = "5.0" if formed else "4.0" if str(bits).startswith("16/") else "3.0" if "%" in str(bits) else "2.0"
     assert metadata["version"] == version and metadata["tier"]["bits"] == bits
-    assert (metadata["storage"].get("keys", {}).get("rotation") == "hadamard") == (Bits.parse(bits).keys < 8)
+    assert (metadata["storage"].get("keys", {}).get("rotation") == "hadamard") == (Bits.parse(bits).keys < 8
+                                                                                  or "r" in str(bits))
     assert ("keys" in metadata["storage"]) == (Bits.parse(bits).keys < 16)
     assert ("values" in metadata["storage"]) == (Bits.parse(bits).values < 16)
     assert metadata["tier"]["cut"]["method"] == "reconstruction" and metadata["tier"]["cut"]["keep"] == 0.5

@@ -1,6 +1,7 @@
 """How many bits a stored key and value take (Bits), and how a kind below 16 bits is quantized (Scheme): small
 value types, free of torch (the CLI and snapkv.storage.cacheinfo import them)."""
 
+import re
 from dataclasses import dataclass
 from math import gcd
 
@@ -17,17 +18,58 @@ def _check_pair(keys: int, values: int) -> None:
                          f"{keys}/{values}")
 
 
-def _parse_pair(text: str, whole: str) -> tuple[int, int]:
-    parts = text.strip().split("/")
-    if len(parts) > 2 or not all(part.strip().isdigit() for part in parts):
-        raise ValueError(f"stored bits are a number (8), KEYS/VALUES (4/3) or BITS+SHARE%@BITS (4/2+20%@4), "
+FORM_PATTERN = re.compile(r"(\d+)(r|u)?(?:g(\d+))?")
+
+
+@dataclass(frozen=True)
+class Form:
+    """How one kind below 16 bits is grouped, where it departs from its bits' default (snapkv.storage.quantize.
+    stored_schemes): rotated True (written "r" after the bits) or False ("u": unrotated), None for the default;
+    group: the group's size (written "g32"), None for the default. Form() is the default itself."""
+
+    rotated: bool | None = None
+    group: int | None = None
+
+    def __str__(self) -> str:
+        rotation = {True: "r", False: "u", None: ""}[self.rotated]
+        return rotation + (f"g{self.group}" if self.group is not None else "")
+
+    def __bool__(self) -> bool:
+        return self.rotated is not None or self.group is not None
+
+
+PLAIN = Form()
+
+
+def _parse_kind(text: str, whole: str) -> tuple[int, Form]:
+    """'8', '8r', '4ug32' -> (bits, Form); ValueError otherwise."""
+    found = FORM_PATTERN.fullmatch(text.strip())
+    if not found:
+        raise ValueError(f"stored bits are a number (8), KEYS/VALUES (4/3) or BITS+SHARE%@BITS (4/2+20%@4), each "
+                         f"number optionally followed by r (rotated), u (unrotated) and gN (groups of N), as 8r/8; "
                          f"not {whole!r}")
-    keys = int(parts[0])
-    return keys, int(parts[-1])
+    bits, rotation, group = found.groups()
+    form = Form({"r": True, "u": False, None: None}[rotation], int(group) if group is not None else None)
+    if form and int(bits) == 16:
+        raise ValueError(f"16 bits are stored as they are, without a rotation or groups: {whole!r}")
+    if form.group is not None and int(bits) in SUPPORTED_BITS and (form.group < 1
+                                                                   or form.group % values_per_chunk(int(bits))):
+        raise ValueError(f"a group of {form.group} does not pack into bytes at {bits} bits: {whole!r}")
+    return int(bits), form
 
 
-def _pair_text(keys: int, values: int) -> str:
-    return str(keys) if keys == values else f"{keys}/{values}"
+def _parse_pair(text: str, whole: str) -> tuple[int, int, Form, Form]:
+    parts = text.strip().split("/")
+    if len(parts) > 2:
+        _parse_kind("", whole)  # raises, saying what is taken
+    keys, values = _parse_kind(parts[0], whole), _parse_kind(parts[-1], whole)
+    return keys[0], values[0], keys[1], values[1]
+
+
+def _pair_text(keys: int, values: int, key_form: Form = PLAIN, value_form: Form = PLAIN) -> str:
+    if keys == values and key_form == value_form:
+        return f"{keys}{key_form}"
+    return f"{keys}{key_form}/{values}{value_form}"
 
 
 class Bits:
@@ -37,16 +79,20 @@ class Bits:
     in 8 bits (keys decide which positions are attended, and take rounding worse); Bits(4, 2, share=0.2, sharp=(4, 4)):
     a sharper share (MiKV's idea, arXiv 2402.18096): the 20% of each head's positions the model needs
     most in 4/4 bits, the rest in 4/2 (written "4/2+20%@4"). 16 means the 16-bit dtype, for both.
-    Compares and hashes as a plain int when keys and values agree and there is no sharper share, so
-    `tier.bits == 16` reads as it says.
+    key_form, value_form: a kind's rotation or group size where it departs from the default (Form; written
+    after its bits: "8r/8" rotates 8-bit keys, "8/4g32" groups 4-bit values by 32).
+    Compares and hashes as a plain int when keys and values agree in bits and form and there is no sharper
+    share, so `tier.bits == 16` reads as it says.
     """
 
-    __slots__ = ("keys", "values", "share", "sharp")
+    __slots__ = ("keys", "values", "share", "sharp", "key_form", "value_form")
 
     def __init__(self, keys: int, values: int | None = None, *, share: float = 0.0,
-                 sharp: "tuple[int, int] | None" = None) -> None:
+                 sharp: "tuple[int, int] | None" = None, key_form: Form = PLAIN, value_form: Form = PLAIN) -> None:
         values = keys if values is None else values
         _check_pair(keys, values)
+        if (key_form and keys == 16) or (value_form and values == 16):
+            raise ValueError("16 bits are stored as they are, without a rotation or groups")
         share = float(share)
         if share:
             if not 0.0 < share < 1.0 or round(share * 100) != share * 100:
@@ -64,65 +110,84 @@ class Bits:
         object.__setattr__(self, "values", int(values))
         object.__setattr__(self, "share", share)
         object.__setattr__(self, "sharp", sharp)
+        object.__setattr__(self, "key_form", key_form)
+        object.__setattr__(self, "value_form", value_form)
 
     def __setattr__(self, name, value):
         raise AttributeError("Bits is immutable")
 
     @classmethod
     def parse(cls, text: "str | int | Bits") -> "Bits":
-        """'8', 8, '4/3', '4/2+20%@4' or a Bits; ValueError for anything else."""
+        """'8', 8, '4/3', '8r/8', '4/2+20%@4' or a Bits; ValueError for anything else."""
         if isinstance(text, Bits):
             return text
         if isinstance(text, int) and not isinstance(text, bool):
             return cls(text)
         whole = str(text).strip()
         rest, plus, sharper = whole.partition("+")
+        keys, values, key_form, value_form = _parse_pair(rest, whole)
         if not plus:
-            return cls(*_parse_pair(rest, whole))
+            return cls(keys, values, key_form=key_form, value_form=value_form)
         share, at, sharp = sharper.partition("%@")
         if not at or not share.strip().isdigit() or not int(share):
             raise ValueError(f"a sharper share is written BITS+SHARE%@BITS with SHARE from 1 to 99, as 4/2+20%@4; "
                              f"not {whole!r}")
-        return cls(*_parse_pair(rest, whole), share=int(share) / 100, sharp=_parse_pair(sharp, whole))
+        sharp_keys, sharp_values, *sharp_forms = _parse_pair(sharp, whole)
+        if any(sharp_forms):
+            raise ValueError(f"a sharper share's bits take no rotation or groups of their own: {whole!r}")
+        return cls(keys, values, share=int(share) / 100, sharp=(sharp_keys, sharp_values), key_form=key_form,
+                   value_form=value_form)
 
     @property
     def rest(self) -> "Bits":
         """The bits of the positions outside the sharper share (all of them where there is none)."""
-        return Bits(self.keys, self.values) if self.share else self
+        return Bits(self.keys, self.values, key_form=self.key_form, value_form=self.value_form) if self.share else self
 
     @property
     def sharper(self) -> "Bits | None":
         """The bits of the sharper share, or None."""
         return Bits(*self.sharp) if self.share else None
 
+    @property
+    def _plain(self) -> bool:
+        """Keys and values alike in bits and form, no sharper share: what an int stands for."""
+        return self.keys == self.values and self.key_form == self.value_form == PLAIN and not self.share
+
     def to_json(self) -> "int | str":
-        return self.keys if self.keys == self.values and not self.share else str(self)
+        return self.keys if self._plain else str(self)
 
     def __str__(self) -> str:
-        text = _pair_text(self.keys, self.values)
+        text = _pair_text(self.keys, self.values, self.key_form, self.value_form)
         return f"{text}+{round(self.share * 100)}%@{_pair_text(*self.sharp)}" if self.share else text
 
     def describe(self) -> str:
-        """For people: "8-bit", "4/3-bit", "4/2-bit, 20% at 4-bit"."""
-        text = f"{_pair_text(self.keys, self.values)}-bit"
-        return f"{text}, {round(self.share * 100)}% at {_pair_text(*self.sharp)}-bit" if self.share else text
+        """For people: "8-bit", "4/3-bit", "4/2-bit, 20% at 4-bit", "8r/8-bit (r: rotated)"."""
+        text = f"{_pair_text(self.keys, self.values, self.key_form, self.value_form)}-bit"
+        if self.share:
+            text += f", {round(self.share * 100)}% at {_pair_text(*self.sharp)}-bit"
+        forms = " ".join(str(form) for form in (self.key_form, self.value_form))
+        notes = [note for letter, note in (("r", "r: rotated"), ("u", "u: unrotated"), ("g", "gN: groups of N"))
+                 if letter in forms]
+        return f"{text} ({', '.join(notes)})" if notes else text
 
     def __repr__(self) -> str:
         sharper = f", share={self.share}, sharp={self.sharp}" if self.share else ""
-        return f"Bits({self.keys}, {self.values}{sharper})"
+        forms = "".join(f", {name}={form!r}" for name, form in (("key_form", self.key_form),
+                                                               ("value_form", self.value_form)) if form)
+        return f"Bits({self.keys}, {self.values}{sharper}{forms})"
 
     def _key(self) -> tuple:
-        return (self.keys, self.values, self.share, self.sharp)
+        return (self.keys, self.values, self.share, self.sharp, self.key_form, self.value_form)
 
     def __eq__(self, other) -> bool:
         if isinstance(other, Bits):
             return self._key() == other._key()
         if isinstance(other, int) and not isinstance(other, bool):
-            return self.keys == self.values == other and not self.share
+            return self._plain and self.keys == other
         return NotImplemented
 
     def __hash__(self) -> int:
-        return hash(self.keys) if self.keys == self.values and not self.share else hash(self._key())
+        return hash(self.keys) if self._plain else hash(self._key())
 
 
 # Axis of the (kv_heads, tokens, head_dim) tensors along which a group runs.

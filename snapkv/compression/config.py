@@ -216,7 +216,8 @@ class SnapKVConfig:
     store_method: how the stored tier is chosen: reconstruction, snapkv (the document's tail as the window),
                   pseudo-question or key-norm (see snapkv.compression.methods), or such a method with its own settings.
     store_bits:   bits per stored key and value (any mode): 16, 8, 4, 3 or 2, or keys and values apart as
-                  KEYS/VALUES (Bits(4, 3), or "4/3"); below 8 bits Hadamard-rotated (snapkv.storage.quantize); with
+                  KEYS/VALUES (Bits(4, 3), or "4/3"); below 8 bits Hadamard-rotated (snapkv.storage.quantize), a
+                  kind's rotation or group size chosen after its bits ("8r/8": 8-bit keys rotated, "8/4g32"); with
                   a sharper share, "4/2+20%@4": each head's 20% of positions the pseudo-question probes rank
                   highest in 4 bits, the rest in 4/2 (snapkv.engine.tiers.sharper_positions).
     store_kernel: pooling width over the stored tier's scores, for methods that pool (None: `kernel` for the

@@ -28,9 +28,11 @@ File layout, format 2 and 3 (safetensors, never pickle):
                                       is checked
     16/8 bits (format 4): layers.{i}.keys as at 16 bits, layers.{i}.values as at 8 bits; storage holds the
                                       keys' "dtype" and the values' scheme
+    a kind's form (format 5): tier.bits says it ("8r/8": 8-bit keys rotated; "8/4g32": values in groups of
+                                      32), and storage's schemes hold what it means
 A file is written in the oldest format that holds it: 3.0 only with a sharper share, 4.0 only with keys in 16
-bits and values in fewer, so that snapkv versions before them read every other file and refuse these asking for
-an upgrade. Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
+bits and values in fewer, 5.0 only with a kind's rotation or group size chosen in its bits, so that snapkv
+versions before them read every other file and refuse these asking for an upgrade. Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
 
 This module owns the schema: nothing else writes these keys. What a reader needs without torch lives apart and is
 used here too: the metadata read and interpreted (snapkv.storage.cachemeta: tier_of, per_question_of, stored_tensor_names),
@@ -57,9 +59,9 @@ from snapkv.base.paths import CACHE_SUFFIX
 from snapkv.compression.config import Cut, mode_of
 from snapkv.io.documents import Source
 from snapkv.storage.cache import CompressedCache
-from snapkv.storage.cachemeta import (FORMAT_NAME, FORMAT_VERSION, IDENTITY_FIELDS,  # noqa: F401 (re-exported)
-                                      PLAIN_FORMAT_VERSION, SHARP_FORMAT_VERSION, SPLIT_FORMAT_VERSION, per_question_of,
-                                      read_metadata, recorded_sources, storage_scheme, stored_layout,
+from snapkv.storage.cachemeta import (FORMAT_NAME, FORMAT_VERSION, FORMED_FORMAT_VERSION,  # noqa: F401 (re-exported)
+                                      IDENTITY_FIELDS, PLAIN_FORMAT_VERSION, SHARP_FORMAT_VERSION,
+                                      SPLIT_FORMAT_VERSION, per_question_of, read_metadata, recorded_sources, storage_scheme, stored_layout,
                                       stored_tensor_names, tier_of)
 from snapkv.storage.cacheschema import MAX_VOCABULARY
 from snapkv.storage.deferred import StoredLayers
@@ -183,7 +185,8 @@ def build_metadata(cache: CompressedCache, *, model: dict | None = None, per_que
     from snapkv import __version__
 
     bits = cache.tier.bits
-    version = (SPLIT_FORMAT_VERSION if bits.keys == 16 and bits.values != 16
+    version = (FORMED_FORMAT_VERSION if bits.key_form or bits.value_form
+               else SPLIT_FORMAT_VERSION if bits.keys == 16 and bits.values != 16
                else SHARP_FORMAT_VERSION if bits.share else PLAIN_FORMAT_VERSION)
     return {
         "format": FORMAT_NAME,

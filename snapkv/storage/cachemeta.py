@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # imported where used, so that reading a header stays light (
     from snapkv.io.documents import Source
 
 FORMAT_NAME = "snapkv-cache"
-FORMAT_VERSION = (4, 0)  # the newest this snapkv writes and reads
+FORMAT_VERSION = (5, 0)  # the newest this snapkv writes and reads
+FORMED_FORMAT_VERSION = (5, 0)  # a kind's rotation or group size chosen in its bits ("8r/8", "8/4g32")
 SPLIT_FORMAT_VERSION = (4, 0)  # keys in 16 bits and values in fewer ("16/8")
 SHARP_FORMAT_VERSION = (3, 0)  # a sharper share
 PLAIN_FORMAT_VERSION = (2, 0)  # every other file

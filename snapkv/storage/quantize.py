@@ -11,14 +11,14 @@ the rest, as MiKV (arXiv 2402.18096) does. Tensor functions (dequantizing by sna
 available); what a file stores is snapkv.storage.cachefile's business.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 import numpy as np
 import torch
 
 from snapkv import native
-from snapkv.base.bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Scheme,  # noqa: F401 (re-exported)
+from snapkv.base.bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Form, Scheme,  # noqa: F401 (re-exported)
                               values_per_chunk)
 from snapkv.native.threads import threads_now
 
@@ -35,15 +35,19 @@ LOW_BITS_KEY_GROUP = 128
 def stored_schemes(bits: Bits, head_dim: int) -> tuple[Scheme | None, Scheme | None]:
     """(keys, values) schemes a cache is stored with: None for a kind kept in 16 bits; at 8 bits KIVI's groups of
     32, unrotated; fewer bits Hadamard-rotated, keys per channel in groups of 128 tokens, values per token over the
-    whole head (the group's scale and minimum cost less, the rotation keeps the error low)."""
-    def scheme(kind_bits: int, axis: int) -> Scheme | None:
+    whole head (the group's scale and minimum cost less, the rotation keeps the error low). A kind's Form (bits.
+    key_form, bits.value_form: "8r", "4g32") replaces its rotation or its group size."""
+    def scheme(kind_bits: int, axis: int, form: Form) -> Scheme | None:
         if kind_bits == 16:
             return None
         if kind_bits == 8:
-            return Scheme(8, axis, GROUP if axis == TOKENS else min(GROUP, head_dim))
-        return Scheme(kind_bits, axis, LOW_BITS_KEY_GROUP if axis == TOKENS else head_dim, rotated=True)
+            chosen = Scheme(8, axis, GROUP if axis == TOKENS else min(GROUP, head_dim))
+        else:
+            chosen = Scheme(kind_bits, axis, LOW_BITS_KEY_GROUP if axis == TOKENS else head_dim, rotated=True)
+        return replace(chosen, **{name: getattr(form, name) for name in ("rotated", "group")
+                                  if getattr(form, name) is not None})
 
-    return scheme(bits.keys, TOKENS), scheme(bits.values, CHANNELS)
+    return scheme(bits.keys, TOKENS, bits.key_form), scheme(bits.values, CHANNELS, bits.value_form)
 
 
 @lru_cache(maxsize=8)
