@@ -6,8 +6,15 @@ tokens: snapkv with the full cache and with SnapKV (--budget, query-aware, the d
 llama-cpp-python in its own environment (it compiles from source, about 15 min on 2 cores), on the very
 token ids snapkv prefilled.
 
+--kv-types f16,q8_0,q4_0: instead, llama.cpp's own KV cache types as the anchor of snapkv's stored tiers (README, What
+is saved): every question of the fidelity documents (`snapkv eval fidelity`'s, --only, and its needle grid at
+--needle-lengths) answered greedily by llama.cpp with its full cache in each type, on the same prompt and question
+ids snapkv answers, up to the same 64 tokens; each type's answers compared with f16's by snapkv's measure
+(snapkv.io.facts: identical, changed, changed where f16 was right, facts lost and gained). -o keeps every answer.
+
     python3 -m venv /tmp/llama-venv && /tmp/llama-venv/bin/pip install llama-cpp-python
     .venv/bin/python benchmarks/compare_llamacpp.py --llama-python /tmp/llama-venv/bin/python --tokens 7k
+    .venv/bin/python benchmarks/compare_llamacpp.py --llama-python /tmp/llama-venv/bin/python --kv-types f16,q8_0,q4_0
 """
 
 import argparse
@@ -48,6 +55,98 @@ def llama_side(args) -> None:
         "decode_ms_per_token": 1000 * (ended - first) / (args.decode_tokens - 1), "tokens": tokens}))
 
 
+KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7}  # ggml's type numbers
+
+
+def llama_answers(args) -> None:
+    """Runs in the llama-cpp-python environment: each document prefilled once per KV type, each question's answer
+    decoded greedily after it (the question's positions dropped again before the next)."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    work = json.loads(Path(args.ids).read_text())
+    answers = {}
+    for kind in work["kv_types"]:
+        llm = Llama(model_path=args.gguf, n_ctx=work["context"], n_threads=args.threads, n_threads_batch=args.threads,
+                    n_batch=512, type_k=KV_TYPES[kind], type_v=KV_TYPES[kind], flash_attn=True, verbose=False)
+        vocab = llm.n_vocab()
+        answers[kind] = {}
+        for document in work["documents"]:
+            print(f"llama.cpp {kind}: {document['name']} ({len(document['ids'])} tokens)", file=sys.stderr, flush=True)
+            llm.reset()
+            llm.eval(document["ids"])
+            prefix = llm.n_tokens
+            answers[kind][document["name"]] = []
+            for question in document["questions"]:
+                llm._ctx.kv_cache_seq_rm(-1, prefix, -1)
+                llm.n_tokens = prefix
+                llm.eval(question)
+                tokens = []
+                while len(tokens) < work["answer_tokens"]:
+                    token = int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+                    if token in work["stop_ids"]:
+                        break
+                    tokens.append(token)
+                    llm.eval([token])
+                answers[kind][document["name"]].append(tokens)
+    Path(args.out).write_text(json.dumps(answers))
+
+
+def kv_types_fidelity(args) -> None:
+    """The snapkv side of --kv-types: the ids out, llama.cpp's answers back, scored as `snapkv eval fidelity` scores."""
+    from snapkv.engine.conversion import embedded_gguf_path
+    from snapkv.engine.models import cpu_description, load_model
+    from snapkv.io.documents import Document
+    from snapkv.io.facts import fact_found
+    from snapkv.measure.fidelity import MAX_ANSWER_TOKENS, compare_settings, load_documents, needle_documents
+    from snapkv.session import Session
+    from snapkv.base.sizes import parse_size
+
+    loaded = load_model(dtype="float32")
+    documents = load_documents(names=args.only.split(",") if args.only else None)
+    lengths = [parse_size(text, name="--needle-lengths") for text in args.needle_lengths.split(",") if text]
+    documents += needle_documents(loaded.tokenizer, lengths, [0.1, 0.4, 0.6, 0.9])
+    session = Session(loaded, None)
+    work = {"kv_types": args.kv_types.split(","), "answer_tokens": MAX_ANSWER_TOKENS, "context": loaded.context_length,
+            "stop_ids": sorted(loaded.stop_ids), "documents": []}
+    for document in documents:
+        ids = session.prompt(Document(document.text)).ids.tolist()
+        questions = [loaded.prompter.question_ids(q.question, answer_prefix=q.answer_prefix).tolist()
+                     for q in document.questions]
+        work["documents"].append({"name": document.name, "ids": ids, "questions": questions})
+    with tempfile.TemporaryDirectory() as folder:
+        ids_file, out_file = Path(folder) / "work.json", Path(folder) / "answers.json"
+        ids_file.write_text(json.dumps(work))
+        started = time.perf_counter()
+        subprocess.run([args.llama_python, __file__, "--side", "llama-answers", "--ids", str(ids_file),
+                        "--gguf", str(embedded_gguf_path()), "--out", str(out_file), "--threads", str(args.threads)],
+                       check=True)
+        seconds = time.perf_counter() - started
+        answers = json.loads(out_file.read_text())
+    records = []
+    for document in documents:
+        record = {"name": document.name, "questions": [q.__dict__ for q in document.questions], "answers": {},
+                  "file_bytes": {}, "seconds": {}}
+        for kind in work["kv_types"]:
+            texts = [(q.answer_prefix + loaded.tokenizer.decode(tokens)).strip()
+                     for q, tokens in zip(document.questions, answers[kind][document.name])]
+            record["answers"][kind] = [{"text": text, "found": fact_found(text, q.answer)}
+                                       for q, text in zip(document.questions, texts)]
+        records.append(record)
+    reference = work["kv_types"][0]
+    print(f"llama.cpp's KV types against its {reference} cache, full cache, greedy, {MAX_ANSWER_TOKENS} tokens compared; "
+          f"{len(records)} documents; {cpu_description()}; {seconds / 60:.1f} min")
+    print(f"{'KV type':<10}{'questions':>10}{'identical':>10}{'changed':>9}{'of right':>9}{'lost':>6}{'gained':>7}"
+          f"{'found':>7}")
+    for kind in work["kv_types"]:
+        comparison = compare_settings(records, kind, reference)
+        print(f"{kind:<10}{comparison.questions:>10}{comparison.agreed:>10}{comparison.changed:>9}"
+              f"{comparison.changed_right:>9}{comparison.lost:>6}{comparison.gained:>7}{comparison.found:>7}")
+    if args.output:
+        Path(args.output).write_text(json.dumps({"kv_types": work["kv_types"], "cpu": cpu_description(),
+                                                 "seconds": seconds, "documents": records}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", help="python of the environment that has llama-cpp-python")
@@ -57,6 +156,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--allow-extrapolation", action="store_true",
                         help="lengths past the model's context (32k on the embedded model): speed only")
+    parser.add_argument("--kv-types", help="llama.cpp's KV cache types to compare, the first the reference: "
+                                           "f16,q8_0,q4_0 (see the docstring)")
+    parser.add_argument("--only", help="--kv-types: only these fidelity documents, comma-separated")
+    parser.add_argument("--needle-lengths", default="7k", help="--kv-types: the needle grid's lengths ('' for none)")
+    parser.add_argument("-o", "--output", help="--kv-types: every answer as JSON here")
     parser.add_argument("--side", default="snapkv", help=argparse.SUPPRESS)
     parser.add_argument("--ids", help=argparse.SUPPRESS)
     parser.add_argument("--gguf", help=argparse.SUPPRESS)
@@ -64,6 +168,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.side == "llama":
         llama_side(args)
+        return
+    if args.side == "llama-answers":
+        llama_answers(args)
+        return
+    if args.kv_types:
+        kv_types_fidelity(args)
         return
 
     import torch
