@@ -211,7 +211,7 @@ DEFAULT_CUT = f"{DEFAULTS.method}{'+words' if DEFAULTS.whole_words else ''}"  # 
 # The benchmark's own documents (snapkv/io/data/fidelity), as --help describes them; a test keeps this true.
 SHIPPED_DOCUMENTS = "19 documents shipped with snapkv, 1k-7.2k tokens, 491 questions"
 # The stored tiers compared by default: the whole prompt at every precision that measured well or is smaller.
-FIDELITY_TIERS = "16/8,16/4,16/3,8,8/4,4/3,3/2+20%@8/4"
+FIDELITY_TIERS = "16/8,8,8r/8,8r/4g32,16/4,8/4,4g32,4/3,3/2+20%@8/4"  # the default (8) and the tiers around it
 
 
 @app.command(cls=PlainCommand)

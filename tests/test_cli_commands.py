@@ -58,7 +58,7 @@ def test_compress_info_and_cache_commands(home, tmp_path):
     human = invoke("info", str(output))
     assert "SmolLM2-135M-Instruct" in human.stdout and "document-window" in human.stdout
     # no figures were measured for a document-window cut to 256: said so, none borrowed from other settings
-    assert described["storage"]["bits"] == str(DEFAULTS.store_bits)
+    assert described["storage"]["bits"] == DEFAULTS.store_bits.to_json()  # 8 as a number, 16/8 as text
     assert described["fidelity"] == [] and len(described["system_sha256"]) == 64
     assert "not measured for these settings" in " ".join(human.stdout.split())
     # the store: one entry from an ask, listed, removed; clear
@@ -118,7 +118,7 @@ def test_asking_a_file_with_flags_that_contradict_it(home, tmp_path):
                                           r"document-window cache"):
         invoke("ask", str(whole), REVENUE, "--no-query-aware")
     with pytest.raises(ConfigError, match=r"--store-\* options describe another stored tier"):
-        invoke("ask", str(wide), REVENUE, "--store-bits", "4")  # the file holds the default, 16/8
+        invoke("ask", str(wide), REVENUE, "--store-bits", "4")  # the file holds the default, 8
     with pytest.raises(ConfigError, match=r"holds a document-window cache.*--no-compress asks for the full cache"):
         invoke("ask", str(narrow), REVENUE, "--no-compress")
 
@@ -181,7 +181,7 @@ def test_repl_stats_after_turns_say_what_the_answer_read_and_what_the_file_holds
     first, last = [" ".join(part.split("peak memory")[0].split()) for part in result.stderr.split("document     ")[1:3]]
     assert "kept 256 per head per layer" in last and "the conversation's 3 turns" in last
     assert "KV read" in last and "what the last answer decoded against" in last
-    stored = re.search(r"stored (\S+) MiB of keys and values \(16/8-bit\) for the document", last)
+    stored = re.search(r"stored (\S+) MiB of keys and values \(8-bit\) for the document", last)
     assert stored and stored.group(0) in first  # the file's, as before the turns: not the working copy's
     read = float(re.search(r"KV read (\S+) MiB per answer token", last).group(1))
     assert read < float(stored.group(1))  # 256 positions and the question, against the whole document in the file

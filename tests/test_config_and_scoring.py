@@ -34,8 +34,8 @@ def test_which_cut_at_prefill_and_which_per_question():
     query_aware = SnapKVConfig(budget=256, kernel=7, query_aware=True, store_keep=0.7)
     assert query_aware.stored_tier == Cut(None, 32, PseudoQuestion(kernel=7), keep=0.7)
     assert query_aware.mode == "query-aware"
-    # the default file: the whole prompt, keys in 16 bits and values in 8 (chosen by `snapkv eval fidelity`)
-    assert DEFAULTS.stored_tier is None and str(DEFAULTS.store_bits) == "16/8"
+    # the default file: the whole prompt, keys and values in 8 bits (chosen by `snapkv eval fidelity`)
+    assert DEFAULTS.stored_tier is None and str(DEFAULTS.store_bits) == "8"
     # each question's cut keeps words whole by default (docs/how-it-works.md, Defaults, and why)
     assert query_aware.per_question == Cut(256, 32, SnapKV(kernel=7, pooling="max"), whole_words=True)
     assert SnapKVConfig(store_keep=None).stored_tier is None  # the whole prompt
@@ -268,7 +268,7 @@ def test_a_plan_resolves_the_settings_once():
     assert whole == Plan(None, Bits(16), None) and whole.mode == "full"
     assert whole.during_prefill is None and whole.after_prefill is None
     default = Plan.of(SnapKVConfig())
-    assert default.bits == Bits(16, 8) and default.per_question == SnapKVConfig().per_question
+    assert default.bits == Bits(8) and default.per_question == SnapKVConfig().per_question
     window = Plan.of(SnapKVConfig(query_aware=False, budget=512))
     assert window.during_prefill == window.stored and window.after_prefill is None
     shared = Plan.of(SnapKVConfig(store_keep=0.5, store_method="pseudo-question"))

@@ -94,6 +94,6 @@ def test_readme_library_example_runs(embedded_home, tmp_path, monkeypatch, capsy
     (tmp_path / "samples").symlink_to(Path(__file__).parent.parent / "samples")
     exec(compile(code, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert "184.6" in printed and "query-aware | whole prompt, 16/8-bit" in printed
+    assert "184.6" in printed and "query-aware | whole prompt, 8-bit" in printed
     assert "annual_report.txt, line 11 Revenue for the 2023 financial year was 184.6" in printed  # its citation
     assert (tmp_path / "report.snapkv").is_file()

@@ -279,3 +279,18 @@ def test_comparisons_are_judged_against_the_floor():
     assert (result.floor.changed, result.floor.lost) == (1, 1)
     judged = {c.setting: c.beyond_floor for c in result.compression}
     assert judged == {"16 @512": True, "16 @1024": False}
+
+
+def test_a_run_without_the_full_cache_still_compares_its_tiers():
+    """eval fidelity --more asks no full cache: its stored tiers are compared with its 16-bit file all the same,
+    and nothing is judged against a floor it did not measure."""
+    from snapkv.measure.fidelity import FidelityResult, summarize
+
+    questions = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
+    right = [{"text": f"It is {i}.", "found": True} for i in range(10)]
+    answers = {"16 @512": right, "8 @512": right[:9] + [{"text": "It is 0.", "found": False}]}
+    result = FidelityResult("m", "float32", 512, list(answers),
+                            documents=[{"name": "d", "questions": questions, "answers": answers, "file_bytes": {}}])
+    summarize(result, [Setting.parse(name) for name in answers])
+    assert [(c.setting, c.reference, c.changed, c.lost) for c in result.storage] == [("8 @512", "16 @512", 1, 1)]
+    assert result.compression == [] and result.floor is None and result.storage[0].beyond_floor is None

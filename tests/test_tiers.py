@@ -160,7 +160,7 @@ def test_stored_bits_take_a_form_per_kind():
     assert Bits.parse("4/2g32+20%@8/4").rest == Bits.parse("4/2g32") and Bits.parse("8r").describe() == \
         "8r-bit (r: rotated)"
     assert len({Bits.parse("8r/8"), Bits(8, key_form=Form(rotated=True)), Bits(8)}) == 2
-    for bad in ("16r/8", "8/16g32", "4g33/4", "8x", "8rr", "4/2+20%@8r/4", "g32"):
+    for bad in ("16r/8", "8/16g32", "4g33/4", "8g8192", "8g0", "8x", "8rr", "4/2+20%@8r/4", "g32"):
         with pytest.raises(ValueError):
             Bits.parse(bad)
     keys, values = stored_schemes(Bits.parse("8r/4g32"), 64)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from math import gcd
 
 SUPPORTED_BITS = (2, 3, 4, 8)  # below 16: what snapkv.storage.quantize packs
+MAX_GROUP = 4096  # the largest quantization group a file may declare (snapkv.storage.cacheschema)
 
 
 def _check_pair(keys: int, values: int) -> None:
@@ -52,8 +53,9 @@ def _parse_kind(text: str, whole: str) -> tuple[int, Form]:
     form = Form({"r": True, "u": False, None: None}[rotation], int(group) if group is not None else None)
     if form and int(bits) == 16:
         raise ValueError(f"16 bits are stored as they are, without a rotation or groups: {whole!r}")
-    if form.group is not None and int(bits) in SUPPORTED_BITS and (form.group < 1
-                                                                   or form.group % values_per_chunk(int(bits))):
+    if form.group is not None and not 1 <= form.group <= MAX_GROUP:
+        raise ValueError(f"a group holds 1 to {MAX_GROUP} values, not {form.group}: {whole!r}")
+    if form.group is not None and int(bits) in SUPPORTED_BITS and form.group % values_per_chunk(int(bits)):
         raise ValueError(f"a group of {form.group} does not pack into bytes at {bits} bits: {whole!r}")
     return int(bits), form
 

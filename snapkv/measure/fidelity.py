@@ -371,11 +371,11 @@ def summarize(result: FidelityResult, settings: list[Setting]) -> None:
     against the full cache) and result.floor (the full cache through a second computation against the full cache), and
     judge every comparison against the floor where there is one."""
     names = {s.name for s in settings}
-    if FULL.name not in names:  # answers to be merged into an earlier run (eval fidelity --more): nothing to compare
-        return
     result.storage = [compare_settings(result.documents, s.name, replace(s, bits=Bits(16)).name)
                       for s in settings if not s.full and s.bits != 16 and not s.computation
                       and replace(s, bits=Bits(16)).name in names]
+    if FULL.name not in names:  # a run without the full cache (eval fidelity --more): only the tiers compared
+        return
     result.compression = [compare_settings(result.documents, s.name, FULL.name)
                           for s in settings if not s.full and s.bits == 16 and not s.computation]
     # every floor measured, the other dtype's first: the variation a user meets between machines (--dtype auto
@@ -419,7 +419,7 @@ def run_fidelity(loaded: LoadedModel, documents: list[FactDocument], tiers: list
     from snapkv.engine.models import cpu_description
 
     settings = settings or settings_for(tiers, budget, budgets or [budget])
-    result = FidelityResult(loaded.name, str(loaded.dtype).removeprefix("torch."), budget, [s.name for s in settings],
+    result = FidelityResult(loaded.name, loaded.precision, budget, [s.name for s in settings],
                             system=system, cpu=cpu_description())
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="snapkv-fidelity-") as folder:

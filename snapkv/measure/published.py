@@ -22,6 +22,8 @@ RESULTS: tuple[tuple[tuple[str, ...], str | None], ...] = (
       "benchmarks/results/fidelity-cut-fp32-words.json", "benchmarks/results/fidelity-cut-fp32-pyramid.json",
       "benchmarks/results/fidelity-cut-fp32-numbers.json", "benchmarks/results/fidelity-floor-bf16.json",
       "benchmarks/results/fidelity-storage-fp32-2048-words.json"), None),
+    # the tiers with a form (8r/8, 8r/4g32), under --dtype auto (fp32 weights, bf16 prefill; the file says float32)
+    (("benchmarks/results/fidelity-storage-auto-2048-forms.json",), None),
 )
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "storage" / "measured.json"
 

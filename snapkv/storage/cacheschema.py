@@ -10,13 +10,14 @@ these rules, in every format.
 import math
 import re
 
+from snapkv.base.bits import MAX_GROUP
+
 # What a real model can have, with room to spare; nothing sized by these is large.
 MAX_LAYERS = 1024
 MAX_KV_HEADS = 1024
 MAX_HEAD_DIM = 1024          # a Hadamard rotation holds head_dim x head_dim floats
 MAX_POSITIONS = 1 << 24      # 16M tokens: prompt lengths, budgets, windows, chunks
 MAX_KERNEL = 1023            # the pooling width over scores (15 by default)
-MAX_GROUP = 4096             # a quantization group
 MAX_VOCABULARY = 1 << 24     # token ids are below this (and below the model's vocabulary where one is given)
 MAX_TEXT = 4096              # a name, a path, a pseudo-question
 MAX_SOURCES = 100_000
