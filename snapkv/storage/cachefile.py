@@ -32,7 +32,8 @@ File layout, format 2 and 3 (safetensors, never pickle):
                                       32), and storage's schemes hold what it means
 A file is written in the oldest format that holds it: 3.0 only with a sharper share, 4.0 only with keys in 16
 bits and values in fewer, 5.0 only with a kind's rotation or group size chosen in its bits, so that snapkv
-versions before them read every other file and refuse these asking for an upgrade. Format 1 (snapkv 0.1: positions as int32, keys and values in the model's dtype) is still read.
+versions before them read every other file and refuse these asking for an upgrade. Format 1 (snapkv 0.1:
+positions as int32, keys and values in the model's dtype) is still read.
 
 This module owns the schema: nothing else writes these keys. What a reader needs without torch lives apart and is
 used here too: the metadata read and interpreted (snapkv.storage.cachemeta: tier_of, per_question_of, stored_tensor_names),
@@ -61,8 +62,8 @@ from snapkv.io.documents import Source
 from snapkv.storage.cache import CompressedCache
 from snapkv.storage.cachemeta import (FORMAT_NAME, FORMAT_VERSION, FORMED_FORMAT_VERSION,  # noqa: F401 (re-exported)
                                       IDENTITY_FIELDS, PLAIN_FORMAT_VERSION, SHARP_FORMAT_VERSION,
-                                      SPLIT_FORMAT_VERSION, per_question_of, read_metadata, recorded_sources, storage_scheme, stored_layout,
-                                      stored_tensor_names, tier_of)
+                                      SPLIT_FORMAT_VERSION, per_question_of, read_metadata, recorded_sources,
+                                      storage_scheme, stored_layout, stored_tensor_names, tier_of)
 from snapkv.storage.cacheschema import MAX_VOCABULARY
 from snapkv.storage.deferred import StoredLayers
 from snapkv.storage.quantize import Mixed, Quantized, dequantize

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from snapkv import native
-from snapkv.base.bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Form, Scheme,  # noqa: F401 (re-exported)
-                              values_per_chunk)
+from snapkv.base.bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Form,  # noqa: F401 (re-exported)
+                              Scheme, values_per_chunk)
 from snapkv.native.threads import threads_now
 
 GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide value groups) lost needles at 4 bits
