@@ -173,6 +173,10 @@ def main() -> None:
         llama_answers(args)
         return
     if args.kv_types:
+        unknown = sorted(set(args.kv_types.split(",")) - set(KV_TYPES))
+        if unknown or not args.llama_python:
+            parser.error(f"--kv-types takes {', '.join(KV_TYPES)} and needs --llama-python"
+                         + (f"; not {', '.join(unknown)}" if unknown else ""))
         kv_types_fidelity(args)
         return
 
