@@ -56,9 +56,8 @@ def _bits(value):
 
 StoreBitsOption = Annotated[Bits, typer.Option(
     parser=_bits, metavar="BITS",
-    help="Bits per saved key and value: 16, 8, 4, 3 or 2; KEYS/VALUES (16/8); a kind's bits followed by r "
-         "(Hadamard-rotated), u (unrotated) or gN (groups of N), as 8r/8 or 8/4g32; or a sharper share, "
-         "REST+SHARE%@SHARP (3/2+20%@8/4). What each changes in answers: `snapkv info FILE` and README, What is saved.")]
+    help="Bits per saved key and value: 16, 8, 4, 3, 2, KEYS/VALUES (16/8); r, u, gN after a kind's bits: "
+         "rotated, unrotated, groups of N (8r/8); a sharper share (3/2+20%@8/4). Answers: `snapkv info FILE`.")]
 PrefillChunkOption = Annotated[Optional[int], typer.Option(
     parser=size("--prefill-chunk"), metavar="SIZE",
     help="Prefill in chunks of SIZE tokens, cut back after each: memory bounded, time linear in length, fewer "

@@ -69,7 +69,7 @@ def _set(*keys_and_value):
     (_set("storage", "values", "bits", 5), "storage.values.bits"),
     (_set("storage", "values", "axis", "diagonal"), "storage.values.axis"),
     (_set("storage", "format", 1), "storage.format"),
-    (_set("storage", "bits", "8"), "tier.bits"),
+    (_set("storage", "bits", "4"), "tier.bits"),  # the file holds the default, 8
     (_set("tier", "cut", "xy"), "tier.cut"),
     (_set("tier", "truncation", {"side": "up", "tokens": 3}), "tier.truncation.side"),
     (_set("sources", [{"name": 5, "size": 1, "sha256": "ab"}]), "sources[0].name"),
