@@ -10,7 +10,7 @@ import typer
 from snapkv.compression.config import check_runtime_settings
 from snapkv.base.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
 
-from . import ask, bench, cache, compress, evaluate, info, logs, models, repl, serve
+from . import ask, bench, cache, compress, evaluate, info, local_client, local_server, logs, models, repl, serve
 from .serve_ray import ray_address_optional
 from .usage import PlainCommand
 
@@ -117,9 +117,9 @@ def _debug_flag(argv: list[str]) -> list[str]:
 
 def _runs_on_server(argv: list[str]) -> bool:
     """`ask` goes to a running server, unless told not to, asked for help, or reading stdin (which stays here)."""
-    if not argv or argv[0] != "ask" or serve.disabled_by_environment():
+    if not argv or argv[0] != "ask" or local_client.disabled_by_environment():
         return False
-    if serve.IN_SERVER:
+    if local_server.IN_SERVER:
         return False
     return not {"--no-server", "--help", "-h", "-"} & set(argv)
 
@@ -164,13 +164,14 @@ def run(argv: list[str]) -> int:
             check_runtime_settings()
         except SnapKVError as error:
             return _fail(str(error), error.exit_code)
-    if _runs_on_server(argv) and (code := serve.run_remotely(list(argv))) is not None:
+    if _runs_on_server(argv) and (code := local_client.run_remotely(list(argv))) is not None:
         return code
-    serve.COMMAND_LINE.set(list(argv))  # the first ask hands it to the server it starts
+    local_client.COMMAND_LINE.set(list(argv))  # the first ask hands it to the server it starts
     argv = _debug_flag(list(argv))
     argv = ray_address_optional(argv)  # serve --ray with no address: a Ray started here
     try:
-        code = app(args=argv, prog_name="snapkv", standalone_mode=False)  # Typer's exit code, 130 for Ctrl-C
+        # Typer's exit code, 130 for Ctrl-C; obj: how `serve` runs the command lines sent to it (this function)
+        code = app(args=argv, prog_name="snapkv", standalone_mode=False, obj=run)
     except SnapKVError as error:
         return _fail(str(error), error.exit_code)
     except (KeyboardInterrupt, Abort):

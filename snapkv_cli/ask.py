@@ -151,22 +151,23 @@ def _run_on_new_server(source: str, no_server: bool, model: Optional[str], devic
     a request) and runs there, so that the next ask as typed costs a socket round trip; its exit code, or None
     to run here (a server, --no-server, SNAPKV_NO_SERVER=1, SNAPKV_KEEP_ALIVE=0, stdin, or a server that did
     not start)."""
-    from . import serve
+    from . import local_client, local_server
     from .consoles import working
 
-    argv = serve.COMMAND_LINE.get()
-    if argv is None or serve.IN_SERVER or no_server or source == "-" or serve.disabled_by_environment():
+    argv = local_client.COMMAND_LINE.get()
+    if (argv is None or local_server.IN_SERVER or no_server or source == "-"
+            or local_client.disabled_by_environment()):
         return None
-    idle = serve.keep_alive_seconds()
+    idle = local_client.keep_alive_seconds()
     if idle == 0:
         return None
     started = time.perf_counter()
     with working(err, "Starting a snapkv server that keeps the model loaded for follow-up questions..."):
-        if not serve.start_in_background(idle, model, device, dtype):
+        if not local_client.start_in_background(idle, model, device, dtype):
             return None
     if not quiet:
         lasting = f"{idle / 60:g} min" if idle >= 60 else f"{idle:g} s"
         err.print(f"snapkv: started a server in {time.perf_counter() - started:.1f} s; it keeps the model loaded for "
                   f"follow-up questions and stops after {lasting} without one (snapkv serve --stop ends it; "
                   "--no-server or SNAPKV_KEEP_ALIVE=0 runs without it)", markup=False, soft_wrap=True)
-    return serve.run_remotely(argv)
+    return local_client.run_remotely(argv)

@@ -71,3 +71,64 @@ def test_an_import_that_points_up_is_found(tmp_path):
     assert imports_against_the_layers(library) == [
         "snapkv/base/probe.py:2 (base) imports snapkv.engine.models (engine)",
         "snapkv/session.py:1 imports the CLI (snapkv_cli.app)"]
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """module -> the modules of `packages` it imports (anywhere in the file), each import named by its module."""
+    graph = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            graph[module_name(path, root / package)] = {target for _, target in imported_modules(path, root / package)}
+    known = set(graph)
+
+    def module_of(target: str) -> str | None:  # 'snapkv.base.errors.ConfigError' -> 'snapkv.base.errors'
+        while target and target not in known:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    return {module: {found for target in targets if (found := module_of(target)) not in (None, module)}
+            for module, targets in graph.items()}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every set of modules that import one another in a circle (the graph's strongly connected components of more
+    than one module), each sorted."""
+    order, lowest, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:  # Tarjan's algorithm
+        order[module] = lowest[module] = len(order)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                lowest[module] = min(lowest[module], lowest[target])
+            elif target in on_stack:
+                lowest[module] = min(lowest[module], order[target])
+        if lowest[module] == order[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_through_others():
+    assert import_circles(import_graph(LIBRARY.parent, ("snapkv", "snapkv_cli"))) == []
+
+
+def test_a_circle_of_imports_is_found(tmp_path):
+    cli = tmp_path / "snapkv_cli"
+    cli.mkdir()
+    (cli / "app.py").write_text("from . import ask\n")
+    (cli / "ask.py").write_text("def f():\n    from .serve import g\n")
+    (cli / "serve.py").write_text("def g():\n    from .app import run\n")
+    (cli / "info.py").write_text("from .ask import f\n")
+    assert import_circles(import_graph(tmp_path, ("snapkv_cli",))) == [
+        ["snapkv_cli.app", "snapkv_cli.ask", "snapkv_cli.serve"]]

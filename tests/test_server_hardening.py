@@ -17,7 +17,7 @@ import pytest
 from conftest import start_server
 from snapkv import native
 from snapkv.base.ownership import NotPrivate, private_folder, written_only_by_me
-from snapkv_cli import serve
+from snapkv_cli import local_client, local_protocol, local_server
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 
@@ -39,40 +39,40 @@ SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
     ({"argv": ["ask"], "cwd": "/", "terminal": "out"}, "terminal"),
 ])
 def test_requests_of_the_wrong_shape_are_refused(request_, message):
-    with pytest.raises(serve.BadRequest, match=message):
-        serve.validated(request_)
-    assert serve.validated({"stop": True}) == {"stop": True}
-    assert serve.validated({"argv": ["ask", "a"], "cwd": "/", "env": {"COLUMNS": "80"}})["argv"] == ["ask", "a"]
+    with pytest.raises(local_protocol.BadRequest, match=message):
+        local_protocol.validated(request_)
+    assert local_protocol.validated({"stop": True}) == {"stop": True}
+    assert local_protocol.validated({"argv": ["ask", "a"], "cwd": "/", "env": {"COLUMNS": "80"}})["argv"] == ["ask", "a"]
 
 
 def test_a_request_is_bounded_in_time_and_length(monkeypatch):
-    monkeypatch.setattr(serve, "REQUEST_SECONDS", 0.3)
+    monkeypatch.setattr(local_protocol, "REQUEST_SECONDS", 0.3)
     silent, server_side = socket.socketpair()
     started = time.monotonic()
-    with pytest.raises(serve.BadRequest, match="no request within"):
-        serve.read_request(server_side)
+    with pytest.raises(local_protocol.BadRequest, match="no request within"):
+        local_protocol.read_request(server_side)
     assert time.monotonic() - started < 3
-    monkeypatch.setattr(serve, "MAX_REQUEST_BYTES", 100_000)
+    monkeypatch.setattr(local_protocol, "MAX_REQUEST_BYTES", 100_000)
     endless, server_side = socket.socketpair()
     def flood():
         with contextlib.suppress(OSError):  # the server side stops reading and closes
             endless.sendall(b"x" * 300_000)
 
     threading.Thread(target=flood, daemon=True).start()
-    with pytest.raises(serve.BadRequest, match="longer than"):
-        serve.read_request(server_side)
+    with pytest.raises(local_protocol.BadRequest, match="longer than"):
+        local_protocol.read_request(server_side)
     client, server_side = socket.socketpair()
     client.sendall(b"[1, 2]\n")
-    with pytest.raises(serve.BadRequest, match="JSON object"):
-        serve.read_request(server_side)
+    with pytest.raises(local_protocol.BadRequest, match="JSON object"):
+        local_protocol.read_request(server_side)
     client, server_side = socket.socketpair()
     client.close()
-    assert serve.read_request(server_side) is None  # a probe that connected and left
+    assert local_protocol.read_request(server_side) is None  # a probe that connected and left
 
 
 def test_a_silent_client_holds_up_no_one(monkeypatch, tmp_path):
-    monkeypatch.setattr(serve, "REQUEST_SECONDS", 5)
-    receiver = serve._Receiver()
+    monkeypatch.setattr(local_protocol, "REQUEST_SECONDS", 5)
+    receiver = local_server._Receiver()
     silent, silent_server = socket.socketpair()
     receiver.take(silent_server)
     client, client_server = socket.socketpair()
@@ -95,9 +95,9 @@ def test_only_the_server_that_made_the_socket_removes_it(tmp_path):
     path.unlink()
     second = socket.socket(socket.AF_UNIX)
     second.bind(str(path))  # a later server's socket at the same path
-    serve._remove_own_socket(path, made)
+    local_server._remove_own_socket(path, made)
     assert path.exists()
-    serve._remove_own_socket(path, os.lstat(path))
+    local_server._remove_own_socket(path, os.lstat(path))
     assert not path.exists()
 
 
@@ -130,13 +130,13 @@ def test_a_socket_in_a_folder_others_can_write_is_never_used(tmp_path, monkeypat
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(path))
     listener.listen(1)
-    monkeypatch.setattr(serve, "socket_path", lambda: path)
-    assert serve._trusted_socket(path)
-    connection = serve._connect()
+    monkeypatch.setattr(local_client, "socket_path", lambda: path)
+    assert local_client.trusted_socket(path)
+    connection = local_client.connect()
     assert connection is not None
     connection.close()
     os.chmod(folder, 0o777)  # anyone could have put a socket here
-    assert serve._connect() is None
+    assert local_client.connect() is None
 
 
 def test_a_planted_library_is_rebuilt_never_loaded(tmp_path, monkeypatch):
@@ -219,10 +219,10 @@ def test_the_server_survives_bad_clients_and_always_stops(home):
 
 def test_one_server_per_home(tmp_path, monkeypatch):
     monkeypatch.setenv("SNAPKV_HOME", str(tmp_path))
-    with serve._one_server_per_home():
-        assert serve._server_pid() == os.getpid()
-        with pytest.raises(serve.AlreadyServing):
-            with serve._one_server_per_home():
+    with local_server.one_server_per_home():
+        assert local_client.server_pid() == os.getpid()
+        with pytest.raises(local_server.AlreadyServing):
+            with local_server.one_server_per_home():
                 pass
-    with serve._one_server_per_home():  # released when the first ends
+    with local_server.one_server_per_home():  # released when the first ends
         pass
