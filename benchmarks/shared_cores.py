@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from http_followup import running_server, timed
+from followup import running_server, timed
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENT = ROOT / "samples" / "city_transport_review.txt"

@@ -19,6 +19,6 @@ timeout 240 python3 -m snapkv_cli bench --random-weights "$SHAPE" --tokenizer .g
     --length 16k,128k --budget 1024,2048 --no-query-aware --decode-tokens 64 --repeats 3 --json \
     > "$OUT/bench.json" 2> "$OUT/bench.err"; echo "bench exit $?" | tee -a "$OUT/gpu.txt"
 
-timeout 150 python3 benchmarks/longest_context.py --random-weights "$SHAPE" --tokenizer .gpu/tokenizer \
+timeout 150 python3 benchmarks/prefill.py longest --random-weights "$SHAPE" --tokenizer .gpu/tokenizer \
     --budget 4096 --lengths 256k,512k,768k,1m > "$OUT/longest.json" 2> "$OUT/longest.err"
 echo "longest exit $?" | tee -a "$OUT/gpu.txt"

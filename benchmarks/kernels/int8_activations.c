@@ -1,4 +1,4 @@
-/* A candidate, measured by benchmarks/int8_activations.py, not part of snapkv: it changes the arithmetic, so it would
+/* A candidate, measured by benchmarks/decode.py int8, not part of snapkv: it changes the arithmetic, so it would
  * need the needle grid to stay equal before the library could use it.
  *
  * One row of activations times 4/8-bit weight blocks with the activations rounded to 8 bits per block of 32, as

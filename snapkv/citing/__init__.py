@@ -7,7 +7,7 @@ The answer's tokens are fed once more after the cache (snapkv.citing.attention);
 produced them paid each held position is read at one full-attention layer (POOLING: 60% of the model's depth) and
 summed per passage and per query head; a passage scores what the head that paid it most paid it, as a share of the
 rows' attention. The layer, the heads' pooling and the passages' were chosen by measurement on the fidelity
-documents (benchmarks/citation_sweep.py: every layer, every third and half, heads by mean and max, passages by sum,
+documents (benchmarks/citations.py sweep: every layer, every third and half, heads by mean and max, passages by sum,
 max and mean; docs/measurements.md).
 """
 

@@ -166,7 +166,7 @@ def cpu_description() -> str:
 
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: bf16 on GPU; on CPU bf16 where the CPU has bf16 units (prefill measured 2.5x faster than
-    fp32 there, see benchmarks/cpu_dtype.py), else fp32."""
+    fp32 there, see benchmarks/prefill.py dtype), else fp32."""
     if dtype == "auto":
         if device.type == "cuda" or cpu_has_bf16_units():
             return torch.bfloat16

@@ -71,7 +71,7 @@ class PresizedLayer(DynamicLayer):
 def presize_pays(model, cache: DynamicCache) -> bool:
     """Whether writing in place beats concatenation for this cache: not where the model decodes by plain
     matmuls (snapkv.modeling.cpu_attention: on CPU in 16 bits), which copy a view of a larger buffer whole on every
-    token; measured at 7k tokens (benchmarks/decode_engines.py, bf16): concatenation 63.0 against 85.7
+    token; measured at 7k tokens (benchmarks/decode.py engines, bf16): concatenation 63.0 against 85.7
     ms/token for the full cache, 40.4 against 45.2 for SnapKV 1024. Elsewhere (fp32 on CPU: 99.6 against
     117.1 for the full cache; GPUs) sdpa reads the view as it is."""
     from snapkv.modeling import cpu_attention
