@@ -37,8 +37,8 @@ positions as int32, keys and values in the model's dtype) is still read.
 
 This module owns the schema: nothing else writes these keys. What a reader needs without torch lives apart and is
 used here too: the metadata read and interpreted (snapkv.storage.cachemeta: tier_of, per_question_of, stored_tensor_names),
-the digests (snapkv.base.digests); snapkv.storage.cacheinfo checks and describes a file from its raw bytes as load_cache would
-(snapkv info). The store folder (naming, look-up, listing) is snapkv.storage.store; the atomic write is snapkv.base.atomic.
+the digests (snapkv.base.digests), the checks of a file's tensors (snapkv.storage.cachechecks: load_cache and
+snapkv.storage.cacheinfo, which describes a file from its raw bytes for snapkv info, run the same ones). The store folder (naming, look-up, listing) is snapkv.storage.store; the atomic write is snapkv.base.atomic.
 """
 
 import ctypes
@@ -52,7 +52,6 @@ import torch
 
 from snapkv import native
 from snapkv.base.atomic import write_atomically
-from snapkv.base.bits import Bits
 from snapkv.base.digests import (DIGEST_LANES, text_digest, MAX_DIGEST_LANES, Piece, check_payload,  # noqa: F401 (re-exported)
                                  checksum_of, piece_header, sha256_of)
 from snapkv.base.errors import CacheFileError, IncompatibleCacheError
@@ -60,15 +59,16 @@ from snapkv.base.paths import CACHE_SUFFIX
 from snapkv.compression.config import Cut, mode_of
 from snapkv.io.documents import Source
 from snapkv.storage.cache import CompressedCache
+from snapkv.storage.cachechecks import Part, StoredTensor, checked_layers, payload_pieces
 from snapkv.storage.cachemeta import (FORMAT_NAME, FORMAT_VERSION, FORMED_FORMAT_VERSION,  # noqa: F401 (re-exported)
                                       IDENTITY_FIELDS, PLAIN_FORMAT_VERSION, SHARP_FORMAT_VERSION,
-                                      SPLIT_FORMAT_VERSION, per_question_of, read_metadata, recorded_sources,
-                                      storage_scheme, stored_layout, stored_tensor_names, tier_of)
-from snapkv.storage.cacheschema import MAX_VOCABULARY
+                                      SPLIT_FORMAT_VERSION, per_question_of, read_metadata, recorded_sources, tier_of)
 from snapkv.storage.deferred import StoredLayers
 from snapkv.storage.quantize import Mixed, Quantized, dequantize
 
 SUFFIX = CACHE_SUFFIX
+FLOAT16 = str(torch.float16)  # a dtype as StoredTensor names it
+EMPTY = np.empty(0, dtype=np.uint8)  # the bytes of an empty tensor
 
 
 def _payload_pieces(tensors: dict[str, torch.Tensor]) -> list[Piece]:
@@ -237,154 +237,61 @@ def check_identity(path: Path, metadata: dict, identity: dict) -> None:
         )
 
 
-def _all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity: the extremes tell (NaN propagates into them), 6x faster than isfinite().all()."""
-    if not tensor.numel():
-        return True
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low) and torch.isfinite(high))
-
-
-def _all_finite_halves(tensors: list[torch.Tensor]) -> bool:
-    """_all_finite over many fp16 tensors at once: one pass in C over their exponent bits where the kernels are
-    available (~0.2 against 3.6 ms for an 8k-token cache's 240 scale and minimum tensors), else one concatenation."""
-    if (native.unavailable_reason() is None
-            and all(t.dtype == torch.float16 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)):
-        pointers = (ctypes.c_void_p * len(tensors))(*(native.pointer(t, torch.float16) for t in tensors))
-        counts = (ctypes.c_int64 * len(tensors))(*(t.numel() for t in tensors))
-        return bool(native.kernels().half_all_finite(pointers, counts, len(tensors)))
-    return _all_finite(torch.cat([t.reshape(-1) for t in tensors]))
-
-
-def _check_counts(path: Path, metadata: dict, identity: dict | None) -> tuple[int, int]:
-    length = metadata.get("original_length")
-    layers = metadata.get("num_layers")
-    if not isinstance(length, int) or not isinstance(layers, int) or length < 1 or layers < 1:
-        raise CacheFileError(f"{path}: damaged metadata (length {length!r}, layers {layers!r})")
+def _check_layer_count(path: Path, layers: int, identity: dict | None) -> None:
     if identity is not None and layers != identity["num_layers"]:
         raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {identity['num_layers']}")
-    return length, layers
 
 
-def _check_layer(path: Path, index: int, keys, values, positions: torch.Tensor, length: int,
-                 identity: dict | None, from_mask: bool = False) -> None:
-    """keys, values: tensors, or Quantized / Mixed parts, whose scales and minimums are checked finite
-    (snapkv.storage.quantize: at most 255 x 65504 + 65504 per value before the rotation sums a head's), so that they
-    cannot hold NaN or infinity once restored and are not read to tell. from_mask: the positions were read from a
-    bit mask (_unpack_mask: ascending and in range as made), so their order and range are not checked again."""
-    key_shape, value_shape = tuple(keys.shape), tuple(values.shape)
-    if len(key_shape) != 3 or key_shape != value_shape or tuple(positions.shape) != key_shape[:2]:
-        raise CacheFileError(f"{path}: damaged cache (layer {index} shapes {key_shape}, "
-                             f"{value_shape}, {tuple(positions.shape)})")
-    if key_shape[1] == 0:  # the template around the document is always kept
-        raise CacheFileError(f"{path}: damaged cache (layer {index} keeps no positions)")
-    if identity is not None and (key_shape[0], key_shape[2]) != (identity["kv_heads"], identity["head_dim"]):
-        raise IncompatibleCacheError(f"{path}: layer {index} has {key_shape[0]} KV heads of size {key_shape[2]}, "
+def _check_layer_shape(path: Path, index: int, shape: tuple[int, int, int], identity: dict | None) -> None:
+    """A layer's (kv_heads, kept, head_dim) against the model in use (None: no model to check against)."""
+    if identity is not None and (shape[0], shape[2]) != (identity["kv_heads"], identity["head_dim"]):
+        raise IncompatibleCacheError(f"{path}: layer {index} has {shape[0]} KV heads of size {shape[2]}, "
                                      f"the model in use {identity['kv_heads']} of size {identity['head_dim']}")
-    if not from_mask and positions.numel() and (positions.min() < 0 or positions.max() >= length
-                              or bool((positions[:, 1:] <= positions[:, :-1]).any())):
-        raise CacheFileError(f"{path}: damaged cache (layer {index} positions out of order or range)")
-    tensors = [part for part in (keys, values) if isinstance(part, torch.Tensor)]
-    if not all(_all_finite(tensor) for tensor in tensors):
-        raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
 
 
-def _layers_format_1(path: Path, tensors: dict, length: int, layers: int) -> list[tuple]:
-    """(keys, values, positions, None) per layer of a format 1 file."""
-    if set(tensors) != stored_tensor_names(layers, None):
-        raise CacheFileError(f"{path}: damaged cache (tensors missing or unexpected)")
-    found = [(tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"], tensors[f"layers.{i}.positions"], None)
-             for i in range(layers)]
-    for index, (keys, values, positions, _) in enumerate(found):
-        if ({keys.dtype, values.dtype} - {torch.float16, torch.bfloat16, torch.float32}
-                or positions.dtype not in (torch.int32, torch.int64)):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} stored as {keys.dtype}, {values.dtype}, "
-                                 f"{positions.dtype})")
-    return found
+def _stored_views(tensors: dict[str, torch.Tensor]) -> dict[str, StoredTensor]:
+    """The loaded tensors as snapkv.storage.cachechecks reads them: dtype, shape and bytes (views, no copies)."""
+    return {name: StoredTensor(str(tensor.dtype), tuple(tensor.shape),
+                               tensor.reshape(-1).view(torch.uint8).numpy() if tensor.numel() else EMPTY)
+            for name, tensor in tensors.items()}
 
 
-def _quantized_part(path: Path, tensors: dict, name: str, prefix: str, shape: tuple[int, int, int], storage: dict,
-                    kind: str) -> Quantized:
-    """One Quantized tensor of a file (`name` + .codes etc., or .sharp_codes etc.), its shapes checked."""
-    scheme = storage_scheme(path, storage, kind)
-    codes, scale, minimum = (tensors[f"{name}.{prefix}{part}"] for part in ("codes", "scale", "minimum"))
-    codes_shape, scale_shape = scheme.stored_shapes(shape)
-    if (codes.dtype != torch.uint8 or tuple(codes.shape) != codes_shape or tuple(scale.shape) != scale_shape
-            or tuple(minimum.shape) != scale_shape or scale.dtype != torch.float16 or minimum.dtype != torch.float16):
-        raise CacheFileError(f"{path}: damaged cache ({name}: shapes {tuple(codes.shape)}, {tuple(scale.shape)}, "
-                             f"{tuple(minimum.shape)} do not fit {shape} at {scheme.bits} bits)")
-    return Quantized(codes, scale, minimum, shape, scheme)
+def _all_finite(tensors: list[StoredTensor]) -> bool:
+    """No NaN or infinity in these float tensors (cachechecks.all_finite, faster): the float16 ones (a quantized file's
+    scales and minimums) in one pass in C over their exponent bits where the kernels are available (~0.2 against 3.6
+    ms for an 8k-token cache's 240 scale and minimum tensors), the rest by their extremes in PyTorch (NaN propagates
+    into them; 6x faster than isfinite().all())."""
+    halves = [tensor for tensor in tensors if tensor.dtype == FLOAT16]
+    if halves and native.unavailable_reason() is None:
+        pointers = (ctypes.c_void_p * len(halves))(*(tensor.data.ctypes.data for tensor in halves))
+        counts = (ctypes.c_int64 * len(halves))(*(tensor.nbytes // 2 for tensor in halves))
+        if not native.kernels().half_all_finite(pointers, counts, len(halves)):
+            return False
+        tensors = [tensor for tensor in tensors if tensor.dtype != FLOAT16]
+    for tensor in tensors:
+        values = torch.from_numpy(tensor.data).view(getattr(torch, tensor.dtype.removeprefix("torch.")))  # (n,)
+        if values.numel():
+            low, high = torch.aminmax(values)
+            if not (torch.isfinite(low) and torch.isfinite(high)):
+                return False
+    return True
 
 
-def _stored_part(path: Path, tensors: dict, name: str, shape: tuple[int, int, int], storage: dict, kind: str,
-                 bits: Bits, masks: dict | None = None):
-    """A layer's keys or values as stored: a 16-bit tensor, Quantized, or Mixed (its shapes checked). masks: the
-    sharper masks read so far for this layer, by their bytes: the keys' and values' are the same mask as saved, read
-    once and held as one tensor (so that a question's pass can tell they agree without comparing them)."""
-    if (bits.keys if kind == "keys" else bits.values) == 16:
-        part = tensors[name]
-        if part.dtype not in (torch.float16, torch.bfloat16):
-            raise CacheFileError(f"{path}: damaged cache ({name} is {part.dtype}, not 16-bit)")
-        return part
-    if not bits.share:
-        return _quantized_part(path, tensors, name, "", shape, storage, kind)
-    heads, held, head_dim = shape
-    mask = tensors[f"{name}.sharp_mask"]
-    if mask.dtype != torch.uint8 or tuple(mask.shape) != (heads, (held + 7) // 8):
-        raise CacheFileError(f"{path}: damaged cache ({name} sharper mask {tuple(mask.shape)})")
-    known, key = (masks if masks is not None else {}), mask.numpy().tobytes()
-    sharp = known.get(key)
-    if sharp is None:
-        try:
-            sharp = known[key] = torch.from_numpy(_mask_bits(mask, held))  # (kv_heads, held) bool, as Mixed holds it
-        except ValueError as error:
-            raise CacheFileError(f"{path}: damaged cache ({name}: {error})") from error
-    count = int(sharp[0].sum()) if heads else 0
-    return Mixed(sharp, _quantized_part(path, tensors, name, "sharp_", (heads, count, head_dim), storage,
-                                        f"sharp_{kind}"),
-                 _quantized_part(path, tensors, name, "", (heads, held - count, head_dim), storage, kind))
-
-
-def _layers_format_2(path: Path, tensors: dict, metadata: dict, length: int, layers: int,
-                     restore_dtype: torch.dtype, defer: bool) -> list[tuple]:
-    """(keys, values, positions, stored pair) per layer of a format 2 file; quantized parts restored in
-    restore_dtype, or left as they are stored where `defer` (keys and values are then the stored parts)."""
-    storage = metadata.get("storage") or {}
-    bits, head_dim, kv_heads = stored_layout(path, metadata, tensors, layers)
-    found = []
-    for index in range(layers):
-        mask = tensors[f"layers.{index}.kept"]
-        if mask.dtype != torch.uint8 or tuple(mask.shape) != (kv_heads, (length + 7) // 8):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} kept-positions mask {tuple(mask.shape)})")
-        try:
-            positions = _unpack_mask(mask, length)
-        except ValueError as error:
-            raise CacheFileError(f"{path}: damaged cache (layer {index}: {error})") from error
-        shape = (kv_heads, positions.shape[1], head_dim)
-        masks = {}  # the layer's sharper masks by their bytes
-        stored = tuple(_stored_part(path, tensors, f"layers.{index}.{kind}", shape, storage, kind, bits, masks)
-                       for kind in ("keys", "values"))
-        restored = [part if isinstance(part, torch.Tensor) or defer else dequantize(part, restore_dtype)
-                    for part in stored]
-        found.append((restored[0], restored[1], positions, stored))
-    _check_finite_scales(path, [stored for *_, stored in found])
-    return found
-
-
-def _check_finite_scales(path: Path, layers: list[tuple]) -> None:
-    """Every quantized part's scales and minimums finite, checked for all layers at once (one pass: a pass per layer
-    cost ~0.4 ms each in waking threads), then layer by layer only to name the one that is not."""
-
-    def scales_of(stored: tuple) -> list[torch.Tensor]:
-        pieces = [piece for part in stored for piece in ((part.high, part.low) if isinstance(part, Mixed) else (part,))]
-        return [t for piece in pieces if isinstance(piece, Quantized) for t in (piece.scale, piece.minimum)]
-
-    every = [t for stored in layers for t in scales_of(stored)]
-    if not every or _all_finite_halves(every):
-        return
-    for index, stored in enumerate(layers):
-        if not _all_finite_halves(scales_of(stored)):
-            raise CacheFileError(f"{path}: damaged cache (layer {index} holds NaN or infinite values)")
+def _built_part(tensors: dict[str, torch.Tensor], part: Part, masks: dict):
+    """A checked Part as the cache holds it: the 16-bit (or format 1) tensor, Quantized, or Mixed. masks: the sharper
+    masks built so far for this layer, by their bytes: the keys' and values' are the same mask as saved, built once
+    and held as one tensor (so that a question's pass can tell they agree without comparing them)."""
+    quantized = [Quantized(*(tensors[f"{part.name}.{piece.prefix}{kind}"] for kind in ("codes", "scale", "minimum")),
+                           piece.shape, piece.scheme) for piece in part.quantized]
+    if not quantized:
+        return tensors[part.name]
+    if len(quantized) == 1:
+        return quantized[0]
+    mask = tensors[f"{part.name}.sharp_mask"]
+    key = mask.numpy().tobytes()
+    if key not in masks:
+        masks[key] = torch.from_numpy(_mask_bits(mask, part.shape[1]))  # (kv_heads, held) bool, as Mixed holds it
+    return Mixed(masks[key], *quantized)
 
 
 def load_cache(path: Path, *, identity: dict | None = None,
@@ -418,15 +325,13 @@ def load_cache(path: Path, *, identity: dict | None = None,
     except Exception as error:  # safetensors raises its own error type for every structural fault
         raise CacheFileError(f"{path}: damaged cache file ({error})") from error
     read_at = time.perf_counter()
+    views = _stored_views(tensors)  # what the checks read: each tensor's dtype, shape and bytes
     if verify:  # by the newest digest the file has (snapkv.base.digests.pieces_match)
-        check_payload(path, _payload_pieces(tensors), metadata)
+        check_payload(path, payload_pieces(views), metadata)
     digest_at = time.perf_counter()
-    length, layers = _check_counts(path, metadata, identity)
-    ids = tensors.get("token_ids")
-    if ids is None or ids.shape != (length,) or ids.dtype not in (torch.int32, torch.int64):
-        raise CacheFileError(f"{path}: damaged cache (prompt ids do not match its length)")
-    if int(ids.min()) < 0 or int(ids.max()) >= MAX_VOCABULARY:
-        raise CacheFileError(f"{path}: damaged cache (prompt ids outside any vocabulary)")
+    length, layers = metadata["original_length"], metadata["num_layers"]  # whole numbers from 1 (cacheschema)
+    _check_layer_count(path, layers, identity)
+    checked = checked_layers(path, views, metadata, _all_finite)  # every check of the tensors
     devices = list(device) if isinstance(device, (list, tuple)) else [device] * layers
     if len(devices) != layers:
         raise IncompatibleCacheError(f"{path}: has {layers} layers, the model in use has {len(devices)}")
@@ -434,13 +339,18 @@ def load_cache(path: Path, *, identity: dict | None = None,
     restore_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
     defer = (question_room > 0 and dtype in (None, restore_dtype)
              and all(torch.device(one).type == "cpu" for one in devices))
-    format_2 = metadata.get("storage", {}).get("format") != 1  # positions read from bit masks: ascending, in range
-    if not format_2:
-        found = _layers_format_1(path, tensors, length, layers)
-    else:
-        found = _layers_format_2(path, tensors, metadata, length, layers, restore_dtype, defer)
-    for index, (keys, values, positions, _) in enumerate(found):
-        _check_layer(path, index, keys, values, positions, length, identity, from_mask=format_2)
+    format_1 = metadata.get("storage", {}).get("format") == 1  # positions listed; later formats' from bit masks
+    found = []  # per layer (keys, values, positions, the stored pair or None), keys and values restored unless deferred
+    for index, layer in enumerate(checked):
+        _check_layer_shape(path, index, layer.keys.shape, identity)
+        masks = {}  # the layer's sharper masks by their bytes
+        stored = tuple(_built_part(tensors, part, masks) for part in (layer.keys, layer.values))
+        if format_1:
+            found.append((*stored, tensors[f"layers.{index}.positions"], None))
+            continue
+        restored = [part if isinstance(part, torch.Tensor) or defer else dequantize(part, restore_dtype)
+                    for part in stored]
+        found.append((*restored, _unpack_mask(tensors[f"layers.{index}.kept"], length), stored))
     defer = defer and all(stored is not None and not all(isinstance(part, torch.Tensor) for part in stored)
                           for *_, stored in found)  # layers with a quantized kind are left as stored
     span = metadata.get("document_span")
