@@ -26,8 +26,8 @@ from snapkv.engine.models import load_model
 from snapkv.io.documents import Document
 from snapkv.io.facts import fact_found
 from snapkv.measure.fidelity import load_documents
+from snapkv.measure.studies import run_study
 from snapkv.session import Session
-
 
 ACCURACY_DOC = """How often a cited answer's top citation is the sentence that states the fact, and what citing costs.
 
@@ -216,20 +216,8 @@ def run_sweep(argv: list[str]) -> None:
             json.dump(rows, out, indent=1)
 
 
-COMMANDS = {"accuracy": (run_accuracy, ACCURACY_DOC), "sweep": (run_sweep, SWEEP_DOC)}
-
-
-def main() -> None:
-    """Run the subcommand named first on the command line with the rest of it."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(2)
-    command, _ = COMMANDS[sys.argv[1]]
-    sys.argv[0] = f"{sys.argv[0]} {sys.argv[1]}"  # what argparse names in the subcommand's usage
-    result = command(sys.argv[2:])
-    if isinstance(result, int):
-        raise SystemExit(result)
+STUDIES = {"accuracy": run_accuracy, "sweep": run_sweep}
 
 
 if __name__ == "__main__":
-    main()
+    run_study(STUDIES, __doc__)

@@ -14,7 +14,6 @@ import json
 import os
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -23,19 +22,17 @@ from importlib import resources
 from pathlib import Path
 
 import openai
-import os, tempfile, time
 import ray
 from ray import serve
 
 from snapkv.compression.config import DEFAULTS
-from snapkv.engine.models import load_model
-from snapkv.engine.models import resolve_model_source
+from snapkv.engine.models import load_model, resolve_model_source
 from snapkv.io.documents import read_sources
+from snapkv.measure.studies import run_study
 from snapkv.serving.ray_app import REPLICA_HEADER, ReplicaSettings, application
 from snapkv.session import Session
 from snapkv.storage.remote import open_store
 from snapkv.storage.store import CacheStore
-
 
 LOAD_DOC = """Throughput of `snapkv serve --http --ray` on this machine: 1 replica against 2, and 2 without routing by document.
 
@@ -275,20 +272,8 @@ def run_store_s3(argv: list[str]) -> None:
         print("rm:", b.remove(entry.key), "left:", a.entries())
 
 
-COMMANDS = {"load": (run_load, LOAD_DOC), "s3": (run_s3, S3_DOC), "store-s3": (run_store_s3, STORE_S3_DOC)}
-
-
-def main() -> None:
-    """Run the subcommand named first on the command line with the rest of it."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(2)
-    command, _ = COMMANDS[sys.argv[1]]
-    sys.argv[0] = f"{sys.argv[0]} {sys.argv[1]}"  # what argparse names in the subcommand's usage
-    result = command(sys.argv[2:])
-    if isinstance(result, int):
-        raise SystemExit(result)
+STUDIES = {"load": run_load, "s3": run_s3, "store-s3": run_store_s3}
 
 
 if __name__ == "__main__":
-    main()
+    run_study(STUDIES, __doc__)

@@ -15,7 +15,6 @@ import ctypes
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
@@ -32,9 +31,9 @@ from snapkv.engine.models import load_model
 from snapkv.io.documents import Document
 from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
 from snapkv.measure.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
+from snapkv.measure.studies import run_study
 from snapkv.modeling.block_weights import use_block_weights
 from snapkv.session import Session
-
 
 ENGINES_DOC = """Decode ms/token of snapkv's engines (snapkv.engine.engines) on one prepared cache, side by side in one run:
 
@@ -109,18 +108,18 @@ def run_engines(argv: list[str]) -> None:
 
     import torch
 
-    from snapkv.modeling.block_weights import FUSED
     from snapkv import native
+    from snapkv.base.sizes import parse_size
+    from snapkv.compression.config import SnapKVConfig
     from snapkv.engine.compiled import decoder_for
     from snapkv.engine.engines import EngineUse
-    from snapkv.compression.config import SnapKVConfig
-    from snapkv.io.documents import Document
-    from snapkv.measure.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
     from snapkv.engine.generation import answer
-    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
     from snapkv.engine.models import load_model
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.measure.floor import floor_ms_per_token, read_bandwidth, weight_bytes_per_token
+    from snapkv.modeling.block_weights import FUSED
     from snapkv.session import Session
-    from snapkv.base.sizes import parse_size
 
     torch.set_num_threads(args.threads)
     length = parse_size(args.tokens, name="--tokens")
@@ -261,14 +260,14 @@ def rounded_products(int8_kernels: ctypes.CDLL, threads: int):
 
 
 def compare_answers(int8_kernels: ctypes.CDLL, args) -> None:
-    from snapkv.modeling import block_weights
-    from snapkv.compression.config import SnapKVConfig
-    from snapkv.io.documents import Document
-    from snapkv.engine.generation import answer
-    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.engine.models import load_model
-    from snapkv.session import Session
     from snapkv.base.sizes import parse_size
+    from snapkv.compression.config import SnapKVConfig
+    from snapkv.engine.generation import answer
+    from snapkv.engine.models import load_model
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
+    from snapkv.modeling import block_weights
+    from snapkv.session import Session
 
     loaded = load_model()
     print(f"{loaded.name}, {str(loaded.dtype).replace('torch.', '')}; {loaded.weights}")
@@ -464,20 +463,8 @@ def run_weights(argv: list[str]) -> None:
                   f"{found}: {answers[(form, cut_name)].strip()[:40]!r}")
 
 
-COMMANDS = {"engines": (run_engines, ENGINES_DOC), "int8": (run_int8, INT8_DOC), "weights": (run_weights, WEIGHTS_DOC)}
-
-
-def main() -> None:
-    """Run the subcommand named first on the command line with the rest of it."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(2)
-    command, _ = COMMANDS[sys.argv[1]]
-    sys.argv[0] = f"{sys.argv[0]} {sys.argv[1]}"  # what argparse names in the subcommand's usage
-    result = command(sys.argv[2:])
-    if isinstance(result, int):
-        raise SystemExit(result)
+STUDIES = {"engines": run_engines, "int8": run_int8, "weights": run_weights}
 
 
 if __name__ == "__main__":
-    main()
+    run_study(STUDIES, __doc__)

@@ -35,11 +35,10 @@ from snapkv.compression.config import DEFAULTS
 from snapkv.engine.models import load_model
 from snapkv.io.documents import Document
 from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-from snapkv.io.haystack import NEEDLE_QUESTION, build_haystack, filler_text
 from snapkv.measure.bench import NEEDLE_NUMBER
+from snapkv.measure.studies import run_study
 from snapkv.session import Session
 from snapkv.storage.cachefile import load_cache
-
 
 PARTS_DOC = """Where a follow-up question's time goes, each part with and without a change, side by side.
 
@@ -187,8 +186,8 @@ def run_shell(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=SHELL_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=7000)
     args = parser.parse_args(argv)
-    from snapkv.io.haystack import build_haystack, filler_text
     from snapkv.engine.models import load_model, resolve_model_source
+    from snapkv.io.haystack import build_haystack, filler_text
 
     model = Path(resolve_model_source(None)[1])  # converts the embedded model once, if it was not yet
     tokenizer = load_model().tokenizer
@@ -404,20 +403,8 @@ def run_http(argv: list[str]) -> None:
     print(f"longest saved prefix among 1,000 caches: {prefix_ms:.2f} ms a look-up (an exact key: {exact_ms:.3f} ms)")
 
 
-COMMANDS = {"parts": (run_parts, PARTS_DOC), "shell": (run_shell, SHELL_DOC), "http": (run_http, HTTP_DOC)}
-
-
-def main() -> None:
-    """Run the subcommand named first on the command line with the rest of it."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(2)
-    command, _ = COMMANDS[sys.argv[1]]
-    sys.argv[0] = f"{sys.argv[0]} {sys.argv[1]}"  # what argparse names in the subcommand's usage
-    result = command(sys.argv[2:])
-    if isinstance(result, int):
-        raise SystemExit(result)
+STUDIES = {"parts": run_parts, "shell": run_shell, "http": run_http}
 
 
 if __name__ == "__main__":
-    main()
+    run_study(STUDIES, __doc__)

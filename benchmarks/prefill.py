@@ -25,9 +25,8 @@ from snapkv.compression.config import SnapKVConfig
 from snapkv.engine.models import load_model
 from snapkv.io.documents import Document
 from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-from snapkv.io.haystack import build_haystack, filler_text
+from snapkv.measure.studies import run_study
 from snapkv.session import Session
-
 
 METHODS_DOC = """Full cache vs SnapKV on the embedded model, side by side in one run.
 
@@ -44,9 +43,9 @@ def measure(method: str, args: argparse.Namespace, results) -> None:
     import torch
 
     from snapkv.compression.config import SnapKVConfig
+    from snapkv.engine.models import load_model
     from snapkv.io.documents import Document
     from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.engine.models import load_model
     from snapkv.session import Session
 
     torch.set_num_threads(args.threads)
@@ -212,12 +211,12 @@ def run_chunks(argv: list[str]) -> None:
 
     import torch
 
+    from snapkv.base.sizes import parse_sizes
     from snapkv.compression.config import SnapKVConfig
+    from snapkv.engine.models import load_model
     from snapkv.io.documents import Document
     from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-    from snapkv.engine.models import load_model
     from snapkv.session import Session
-    from snapkv.base.sizes import parse_sizes
 
     torch.set_num_threads(2)
     loaded = load_model()
@@ -279,13 +278,13 @@ def run_longest(argv: list[str]) -> None:
 
     import torch
 
-    from snapkv.compression.config import SnapKVConfig
-    from snapkv.io.documents import Document
     from snapkv.base.errors import OutOfMemoryError
+    from snapkv.base.sizes import parse_sizes
+    from snapkv.compression.config import SnapKVConfig
     from snapkv.engine.memory import check_prefill_fits, is_out_of_memory, release_device_memory
     from snapkv.engine.models import random_weights_model
+    from snapkv.io.documents import Document
     from snapkv.session import Prompt, Session
-    from snapkv.base.sizes import parse_sizes
 
     loaded = random_weights_model(args.random_weights, device=args.device, tokenizer=args.tokenizer)
     settings = SnapKVConfig(budget=args.budget, query_aware=False)
@@ -328,20 +327,8 @@ def run_longest(argv: list[str]) -> None:
                       "longest_fitted": max(fitted, default=None), "rows": rows}))
 
 
-COMMANDS = {"methods": (run_methods, METHODS_DOC), "overhead": (run_overhead, OVERHEAD_DOC), "dtype": (run_dtype, DTYPE_DOC), "chunks": (run_chunks, CHUNKS_DOC), "longest": (run_longest, LONGEST_DOC)}
-
-
-def main() -> None:
-    """Run the subcommand named first on the command line with the rest of it."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(2)
-    command, _ = COMMANDS[sys.argv[1]]
-    sys.argv[0] = f"{sys.argv[0]} {sys.argv[1]}"  # what argparse names in the subcommand's usage
-    result = command(sys.argv[2:])
-    if isinstance(result, int):
-        raise SystemExit(result)
+STUDIES = {"methods": run_methods, "overhead": run_overhead, "dtype": run_dtype, "chunks": run_chunks, "longest": run_longest}
 
 
 if __name__ == "__main__":
-    main()
+    run_study(STUDIES, __doc__)

@@ -12,11 +12,9 @@ One script, one subcommand per study (each says what it measures with --help):
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,11 +27,9 @@ from snapkv.engine.models import load_model
 from snapkv.engine.tiers import at_stored_precision
 from snapkv.io.documents import Document
 from snapkv.io.haystack import NEEDLE_ANSWER_PREFIX, NEEDLE_QUESTION, build_haystack, filler_text
-from snapkv.io.haystack import build_haystack, filler_text
-from snapkv.measure.evaluation import EvalSetting, many_questions, needle_grid
-from snapkv.measure.evaluation import multi_fact_document
+from snapkv.measure.evaluation import EvalSetting, many_questions, multi_fact_document, needle_grid
+from snapkv.measure.studies import run_study
 from snapkv.session import Session
-
 
 SIZES_DOC = """What a saved cache weighs and what choosing its tier costs: the full cache in 16 bits against stored tiers.
 
@@ -238,20 +234,8 @@ def run_tiers(argv: list[str]) -> None:
                                          "settings": [s.name for s in chosen]}, default=str))
 
 
-COMMANDS = {"sizes": (run_sizes, SIZES_DOC), "sharp": (run_sharp, SHARP_DOC), "tiers": (run_tiers, TIERS_DOC)}
-
-
-def main() -> None:
-    """Run the subcommand named first on the command line with the rest of it."""
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(__doc__, file=sys.stderr)
-        raise SystemExit(2)
-    command, _ = COMMANDS[sys.argv[1]]
-    sys.argv[0] = f"{sys.argv[0]} {sys.argv[1]}"  # what argparse names in the subcommand's usage
-    result = command(sys.argv[2:])
-    if isinstance(result, int):
-        raise SystemExit(result)
+STUDIES = {"sizes": run_sizes, "sharp": run_sharp, "tiers": run_tiers}
 
 
 if __name__ == "__main__":
-    main()
+    run_study(STUDIES, __doc__)
