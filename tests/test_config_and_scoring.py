@@ -5,7 +5,8 @@ import torch
 
 from snapkv.compression.config import DEFAULTS, Cut, SnapKVConfig, Tier, Truncation
 from snapkv.base.errors import ConfigError
-from snapkv.compression.methods import PseudoQuestion, Reconstruction, SnapKV, method_from_dict, method_to_dict
+from snapkv.compression.methods import (PseudoQuestion, Reconstruction, SnapKV, WindowAttention, method_from_dict,
+                                        method_to_dict)
 from snapkv.compression.scoring import gather_positions, kept_indices, mean_over_query_groups, pool_scores, window_attention_scores
 
 
@@ -127,9 +128,9 @@ def test_chunks_rank_as_one_and_are_kept_whole():
     assert kept.tolist() == [[[0, 1, 2, 6, 7]]]
     torch.manual_seed(1)
     window = torch.rand(1, 2, 3, 4, 40).softmax(-1)  # (batch, kv_heads, group, w, n - w)
-    chunked = Chunks(size=8, kernel=3).score_weights(window)
+    chunked = Chunks(size=8, kernel=3).score(WindowAttention(None, weights=window))
     assert chunked.shape == (1, 2, 40)
-    assert torch.equal(chunked, chunk_means(SnapKV(kernel=3).score_weights(window), 8))
+    assert torch.equal(chunked, chunk_means(SnapKV(kernel=3).score(WindowAttention(None, weights=window)), 8))
     assert method_from_dict(method_to_dict(Chunks(size=4))) == Chunks(size=4)
     assert SnapKVConfig(method="chunks", kernel=7).cut.method == Chunks(kernel=7)
     with pytest.raises(ConfigError, match="at least 1 position"):
@@ -214,12 +215,12 @@ def _torch_and_native(monkeypatch, compute):
 @pytest.mark.parametrize("kernel", [1, 3, 5, 7, 9, 15, 17])
 def test_the_c_cut_scores_as_pytorch_does(monkeypatch, pooling, kernel):
     """snapkv/native/kernels/window_cut.c's scores from a strided view of the window's weights (the last rows of each query
-    head, the columns before the window), as SnapKV.score_weights computes them in PyTorch, within fp32 rounding
+    head, the columns before the window), as SnapKV.score computes them in PyTorch, within fp32 rounding
     (kernels whose max pooling takes two overlapping runs of a power of two, or one exactly)."""
     torch.manual_seed(3)
     weights = torch.randn(1, 3, 2, 9, 300).softmax(dim=-1)  # (batch, kv_heads, group, question rows, n)
     window = weights[..., -6:, : 300 - 6]
-    by_torch, natively = _torch_and_native(monkeypatch, lambda: SnapKV(kernel=kernel, pooling=pooling).score_weights(window))
+    by_torch, natively = _torch_and_native(monkeypatch, lambda: SnapKV(kernel=kernel, pooling=pooling).score(WindowAttention(None, weights=window)))
     assert natively.shape == by_torch.shape == (1, 3, 294)
     assert torch.allclose(natively, by_torch, rtol=1e-6, atol=1e-9)
 

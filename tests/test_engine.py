@@ -221,7 +221,7 @@ def test_the_question_pass_scores_from_the_attention_it_computed(name, monkeypat
     cache = prefill(model, random_ids(PROMPT_LENGTH, 20), None)
     question = random_ids(6, 21)
     positions = torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)
-    window_queries = compress.window_queries
+    window_queries, window_attention = compress.window_queries, compress._window_attention
 
     def question_pass(window: int, reuse: bool):
         """(logits, kept indices per layer, how many layers computed the window's queries again)."""
@@ -229,7 +229,8 @@ def test_the_question_pass_scores_from_the_attention_it_computed(name, monkeypat
         with monkeypatch.context() as patch:
             patch.setattr(compress, "window_queries", lambda *a: recomputed.append(1) or window_queries(*a))
             if not reuse:
-                patch.setattr(compress, "_scores_from_attention", lambda *a: None)
+                # what the layer's attention kept is not handed on: the scores come from the window's queries
+                patch.setattr(compress, "_window_attention", lambda captured, *rest: window_attention(None, *rest))
             plan = CompressionPlan(Cut(budget=24, window=8), window=window)
             with compressing(model, plan):
                 logits = run_forward(model, question.unsqueeze(0), cache.to_dynamic_cache(model.config), positions)

@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from snapkv.compression.config import Cut
+from snapkv.compression.methods import WindowAttention
 from snapkv.compression.scoring import gather_positions, kept_indices, word_maxima
 from snapkv.modeling import cpu_attention
 from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
@@ -61,22 +62,26 @@ def cache_argument(kwargs: dict):
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
-def _scores_from_attention(method, captured: cpu_attention.Captured | None, keys: torch.Tensor,
-                           window: int) -> torch.Tensor | None:
-    """The method's scores from the attention weights the layer just computed (snapkv.modeling.cpu_attention keeps them in
-    fp32 for a few query rows: the weights where PyTorch's matmuls made them, their sums over the window where its C
-    kernel did), or None where there are none for these keys or the method cannot use them."""
+def _window_attention(captured: cpu_attention.Captured | None, module, hidden_states: torch.Tensor, keys: torch.Tensor,
+                      window: int, position_embeddings) -> WindowAttention:
+    """What the method scores the layer's keys (batch, kv_heads, n, head_dim) from: the attention weights the layer just
+    computed where it kept them for these keys (snapkv.modeling.cpu_attention keeps them in fp32 for a few query rows:
+    the weights where PyTorch's matmuls made them, their sums over the window where its C kernel did), and the window's
+    queries again, made only if the method needs them."""
     n = keys.shape[2]
-    if captured is None:
-        return None
-    sums, weights = captured.window_sums, captured.weights
-    if (sums is not None and sums.shape[-1] == n and captured.window == window
-            and hasattr(method, "score_window_sums")):
-        return method.score_window_sums(sums[..., : n - window])
-    if (weights is None or weights.shape[-1] != n or weights.shape[-2] < window
-            or not hasattr(method, "score_weights")):
-        return None
-    return method.score_weights(weights[..., -window:, : n - window])
+    sums = weights = None
+    if captured is not None:
+        if captured.window_sums is not None and captured.window_sums.shape[-1] == n and captured.window == window:
+            sums = captured.window_sums[..., : n - window]
+        elif (captured.weights is not None and captured.weights.shape[-1] == n
+              and captured.weights.shape[-2] >= window):
+            weights = captured.weights[..., -window:, : n - window]
+
+    def queries() -> torch.Tensor:  # (batch, q_heads, window, head_dim)
+        cos, sin = position_embeddings
+        return window_queries(module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:]))
+
+    return WindowAttention(keys, module.scaling, window, queries, weights=weights, sums=sums)
 
 
 def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache, position_embeddings) -> None:
@@ -91,13 +96,8 @@ def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache,
     prefix_keep = plan.prefix_keep_at(module.layer_idx)
     if n <= prefix_keep + window:
         return  # nothing to drop: the layer is left whole
-    scores = _scores_from_attention(plan.cut.method, captured, keys, window)
-    if scores is None:  # the window's queries again, and their attention onto every key
-        cos, sin = position_embeddings
-        queries = window_queries(
-            module, hidden_states[:, -window:], (cos[:, -window:], sin[:, -window:])
-        )
-        scores = plan.cut.method.score(queries, keys, module.scaling)  # (batch, kv_heads, n - window)
+    attention = _window_attention(captured, module, hidden_states, keys, window, position_embeddings)
+    scores = plan.cut.method.score(attention)  # (batch, kv_heads, n - window)
     words = plan.word_ids(module.layer_idx, n - window)
     if words is not None:
         scores = word_maxima(scores, words)

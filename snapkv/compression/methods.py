@@ -17,7 +17,7 @@ Where the window's queries come from is the method's other half:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Protocol
 
 from snapkv.base.errors import ConfigError
 
@@ -41,13 +41,54 @@ class Probe:
     sinks: range = range(0)
 
 
+class WindowAttention:
+    """What a method scores a layer's keys from, in one value whichever of it the method needs: the keys, the
+    observation window's queries, and the attention the window paid the keys before it where the layer's attention
+    already computed it.
+
+    keys:    (batch, kv_heads, n, head_dim) after RoPE, the window's own keys last
+    scaling: the attention's scale of a query-key product
+    window:  w, the window's queries (0: none, for a method that scores the keys alone)
+    queries: (batch, q_heads, w, head_dim) after RoPE, or a function that makes them (called once, where needed)
+    weights: (batch, kv_heads, group, w, n - w): the window's softmax over all n keys as attention computed it, for
+             the keys before the window; or
+    sums:    (batch, kv_heads, group, n - w): those weights already summed over the window's queries (the C attention's)
+    """
+
+    def __init__(self, keys: torch.Tensor, scaling: float = 1.0, window: int | None = None,
+                 queries: torch.Tensor | Callable[[], torch.Tensor] | None = None,
+                 weights: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> None:
+        self.keys, self.scaling = keys, scaling
+        made = queries is None or callable(queries)
+        self.window = window if window is not None else 0 if queries is None else queries.shape[2]
+        self._queries, self._make_queries = (None, queries) if made else (queries, None)
+        self._weights, self._sums = weights, sums
+
+    def queries(self) -> torch.Tensor:
+        """(batch, q_heads, w, head_dim)."""
+        if self._queries is None:
+            self._queries = self._make_queries()
+        return self._queries
+
+    def weights(self) -> torch.Tensor:
+        """(batch, kv_heads, group, w, n - w): the window's softmax rows onto the keys before it, as attention computed
+        them, else from the queries (snapkv.compression.scoring.window_attention_weights); where attention summed them
+        over the window already, that sum as the one row (batch, kv_heads, group, 1, n - w)."""
+        if self._sums is not None:
+            return self._sums.unsqueeze(-2)
+        if self._weights is None:
+            from snapkv.compression.scoring import window_attention_weights
+
+            self._weights = window_attention_weights(self.queries(), self.keys, self.scaling)
+        return self._weights
+
+
 class Method(Protocol):
     name: ClassVar[str]
     scores_during_prefill: ClassVar[bool]
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        """window_queries (batch, q_heads, w, head_dim), keys (batch, kv_heads, n, head_dim), both after
-        RoPE, the window's own keys last -> (batch, kv_heads, n - w) scores of the keys before the window."""
+    def score(self, attention: WindowAttention) -> torch.Tensor:
+        """(batch, kv_heads, n - w) scores of the keys before the window (higher is kept)."""
         ...
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
@@ -71,22 +112,11 @@ class SnapKV:
     def __post_init__(self) -> None:
         _check_pooling(self.kernel, self.pooling)
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        from snapkv.compression.scoring import window_attention_weights
-
-        return self.score_weights(window_attention_weights(window_queries, keys, scaling))
-
-    def score_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """The same scores from the window's attention weights as attention computed them: weights (batch,
-        kv_heads, group, w, n - w), softmax over all n keys -> (batch, kv_heads, n - w)."""
+    def score(self, attention: WindowAttention) -> torch.Tensor:
+        """The window's attention weights summed over its queries, pooled, averaged per KV head."""
         from snapkv.compression.scoring import pooled_window_scores
 
-        return pooled_window_scores(weights, self.kernel, self.pooling)
-
-    def score_window_sums(self, sums: torch.Tensor) -> torch.Tensor:
-        """The same scores from the window's weights already summed over its queries (snapkv.modeling.cpu_attention's C
-        kernel sums them as it goes): sums (batch, kv_heads, group, n - w) -> (batch, kv_heads, n - w)."""
-        return self.score_weights(sums.unsqueeze(-2))
+        return pooled_window_scores(attention.weights(), self.kernel, self.pooling)
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         raise ConfigError("snapkv scores during the prefill, with the prompt's tail as its window")
@@ -113,19 +143,11 @@ class Chunks:
         if self.size < 1:
             raise ConfigError(f"a chunk holds at least 1 position, got {self.size}")
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        from snapkv.compression.scoring import window_attention_weights
-
-        return self.score_weights(window_attention_weights(window_queries, keys, scaling))
-
-    def score_weights(self, weights: torch.Tensor) -> torch.Tensor:
-        """weights (batch, kv_heads, group, w, n - w) -> (batch, kv_heads, n - w): each position its chunk's mean."""
+    def score(self, attention: WindowAttention) -> torch.Tensor:
+        """SnapKV's scores, each position given its chunk's mean."""
         from snapkv.compression.scoring import chunk_means
 
-        return chunk_means(SnapKV(self.kernel, self.pooling).score_weights(weights), self.size)
-
-    def score_window_sums(self, sums: torch.Tensor) -> torch.Tensor:
-        return self.score_weights(sums.unsqueeze(-2))
+        return chunk_means(SnapKV(self.kernel, self.pooling).score(attention), self.size)
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         raise ConfigError("chunks scores during the prefill, with the prompt's tail as its window")
@@ -164,10 +186,10 @@ class Reconstruction:
             raise ConfigError(f"reconstruction needs a positive chunk and overlap, got {self.chunk}, {self.overlap}")
         _check_pooling(self.kernel, "max")
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    def score(self, attention: WindowAttention) -> torch.Tensor:
         from snapkv.compression.scoring import peak_attention_scores, pool_scores
 
-        scores = peak_attention_scores(window_queries, keys, scaling)  # (batch, kv_heads, n - w)
+        scores = peak_attention_scores(attention.queries(), attention.keys, attention.scaling)  # (batch, kv_heads, n - w)
         return pool_scores(scores, self.kernel, "max")
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
@@ -209,9 +231,9 @@ class PseudoQuestion:
         if not self.questions and self.tail < 1:
             raise ConfigError("pseudo-question needs a question or a tail to read")
 
-    def score(self, window_queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-        scores = SnapKV(self.kernel, self.pooling).score(window_queries, keys, scaling)
-        return scores / window_queries.shape[2]
+    def score(self, attention: WindowAttention) -> torch.Tensor:
+        scores = SnapKV(self.kernel, self.pooling).score(attention)
+        return scores / attention.window
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         everything = range(0, len(context_ids))
@@ -228,10 +250,10 @@ class KeyNorm:
     name: ClassVar[str] = "key-norm"
     scores_during_prefill: ClassVar[bool] = False
 
-    def score(self, window_queries: torch.Tensor | None, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    def score(self, attention: WindowAttention) -> torch.Tensor:
         from snapkv.compression.scoring import key_norms
 
-        return -key_norms(keys)  # (batch, kv_heads, n): a window of none
+        return -key_norms(attention.keys)  # (batch, kv_heads, n): a window of none
 
     def probes(self, prompter, context_ids: torch.Tensor, document: range) -> list[Probe]:
         return []

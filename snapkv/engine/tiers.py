@@ -23,7 +23,7 @@ import torch
 from snapkv.base.bits import Bits
 from snapkv.compression.compress import cache_argument
 from snapkv.compression.config import Cut, Plan, Tier
-from snapkv.compression.methods import Method, Probe, PseudoQuestion
+from snapkv.compression.methods import Method, Probe, PseudoQuestion, WindowAttention
 from snapkv.compression.scoring import gather_positions
 from snapkv.engine.generation import chunked_prefill, extended, model_device, prefill, run_forward
 from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
@@ -53,7 +53,8 @@ def _score_layer_hook(method: Method, state: _ProbeScores, module, args, kwargs,
     keys = layer.keys  # (1, kv_heads, n + p, head_dim)
     subset = torch.cat([keys[:, :, probe.sinks.start:probe.sinks.stop], keys[:, :, scored.start:scored.stop],
                         keys[:, :, n:]], dim=2)
-    scores = method.score(queries, subset, module.scaling)[0, :, len(probe.sinks):]  # (kv_heads, len(scored))
+    scores = method.score(WindowAttention(subset, module.scaling, queries=queries))[0, :, len(probe.sinks):]
+    # (kv_heads, len(scored))
     best = state.scores[index][:, scored.start:scored.stop]
     torch.maximum(best, scores.to(best.device), out=best)
     # the probe's own keys are not needed by later layers of this forward: drop them now
@@ -77,7 +78,7 @@ def probe_scores(model, cache: CompressedCache, method: Method, probes: list[Pro
         compressible = {layer.index for layer in attention_layers(model) if layer.compressible}
         for index, keys in enumerate(cache.keys):
             if index in compressible:
-                state.scores[index] = method.score(None, keys.unsqueeze(0), 1.0)[0].float()
+                state.scores[index] = method.score(WindowAttention(keys.unsqueeze(0)))[0].float()
         return state.scores
     device = model_device(model)
     with _scoring(model, method, state):

@@ -1,7 +1,7 @@
 /* SnapKV's cut of one layer's cache after a question's pass, on the CPU, in three small steps (each one call):
  *
  *   window_scores:  the window's attention weights summed over its queries, pooled along the positions, averaged
- *                   over the query heads of each KV head (snapkv.compression.methods.SnapKV.score_weights);
+ *                   over the query heads of each KV head (snapkv.compression.methods.SnapKV.score);
  *   top_positions:  per KV head the `keep` best positions, then the window's own, in ascending order
  *                   (snapkv.compression.scoring.kept_indices);
  *   gather_rows:    those rows of each head's keys or values, copied into a new tensor
