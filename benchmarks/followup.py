@@ -76,13 +76,13 @@ def timed_restore(path: Path, identity: dict, dtype: torch.dtype, native_kernels
 
 @contextmanager
 def scoring_from_scratch(on: bool):
-    real = compress._scores_from_attention
-    if on:
-        compress._scores_from_attention = lambda *args: None
+    real = compress._window_attention
+    if on:  # what the layer's attention kept is not handed on: the window's queries are made again
+        compress._window_attention = lambda captured, *rest: real(None, *rest)
     try:
         yield
     finally:
-        compress._scores_from_attention = real
+        compress._window_attention = real
 
 
 def timed_question(session: Session, prepared) -> tuple[float, str]:
