@@ -320,7 +320,7 @@ def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
     """q/k/v and gate/up blocks are fused into one tensor each (the BlockLinears keep views of their rows): the
     lean decode step reads each group in one kernel call and gives the same logits, to the bit, as calling
     the projections one by one."""
-    from snapkv.engine import lean_decode
+    from snapkv.engine import lean_decode, torch_question
 
     model = build_tiny("llama-gqa")
     snap_to_blocks(model)
@@ -363,7 +363,7 @@ def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
 
     def question_pass(working):
         plan = CompressionPlan(Cut(16, 4), window=9)
-        return lean_decode.question_pass(model, question, 40, working, plan), plan.kept
+        return torch_question.question_pass(model, question, 40, working, plan), plan.kept
 
     found = each_way(question_pass)
     (fused, fused_kept), (apart, apart_kept) = found["fused"], found["one by one"]

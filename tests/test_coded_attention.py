@@ -5,7 +5,7 @@ head_dim 64 whose weights are exact 4/8-bit blocks."""
 import pytest
 import torch
 
-from snapkv.engine import coded_attention, lean_decode, native_decode
+from snapkv.engine import coded_attention, native_decode, native_question
 from snapkv import native
 from snapkv.base.bits import Bits
 from snapkv.storage.cachefile import load_cache, save_cache
@@ -48,8 +48,8 @@ def saved(model, bits: Bits, path):
 def coded_calls(monkeypatch) -> list[bool]:
     """Whether each of the pass's attend_and_cut calls took the coded path (recorded as the pass calls it)."""
     taken = []
-    real = lean_decode.attend_and_cut
-    monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: (found := real(*a)) is not None and taken.append(True)
+    real = native_question.attend_and_cut
+    monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: (found := real(*a)) is not None and taken.append(True)
                         or (found is None and taken.append(False)) or found)
     return taken
 
@@ -78,7 +78,7 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
         taken = coded_calls(monkeypatch)
         if way == "restored":
             monkeypatch.setattr(coded_attention, "attend_and_cut", lambda *a: None)
-            monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
+            monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: None)
         working = cache.to_dynamic_cache(model.config, into_room=True)
         if method == "words":
             plan = CompressionPlan(Cut(64, 8, SnapKV(), whole_words=True), window=window)
@@ -89,7 +89,7 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
             plan = CompressionPlan(Cut(64, 8, SnapKV(), pyramid=True), window=window, layers=len(model.model.layers))
         else:
             plan = CompressionPlan(Cut(64, 8, method), window=window)
-        logits = lean_decode.question_pass(model, question, PROMPT, working, plan, layers, from_codes=True)
+        logits = native_question.question_pass(model, question, PROMPT, working, plan, layers)
         found[way] = (logits, plan.kept, [(layer.keys, layer.values) for layer in working.layers])
         monkeypatch.undo()
     assert taken == [True] * len(model.model.layers)  # the coded pass took every layer from its codes
@@ -119,7 +119,7 @@ def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monke
     assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, engine="torch")) == tokens
     assert list(answer(model, cache, question, per_question=None, max_new_tokens=8))
     assert taken == []
-    monkeypatch.setattr(lean_decode, "attend_and_cut", lambda *a: None)
+    monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: None)
     assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8)) == tokens
 
 

@@ -678,18 +678,18 @@ def test_a_questions_rope_in_c_is_transformers_to_the_bit(rows, heads, head_dim,
     bits as transformers' apply_rotary_pos_emb over the (1, heads, q, head_dim) view; PyTorch's ops without kernels."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from snapkv.engine.lean_decode import _with_rope
+    from snapkv.engine.torch_question import with_rope
 
     torch.manual_seed(rows)
     projected = torch.randn(1, rows, heads * head_dim) * 30
     cos, sin = torch.randn(1, rows, head_dim), torch.randn(1, rows, head_dim)
     view = projected.view(1, rows, heads, head_dim).transpose(1, 2)
     expected, _ = apply_rotary_pos_emb(view, view, cos, sin)
-    found = _with_rope(projected, cos, sin, head_dim)
+    found = with_rope(projected, cos, sin, head_dim)
     assert found.shape == (1, heads, rows, head_dim) and found.is_contiguous() == (native.unavailable_reason() is None)
     assert torch.equal(found, expected)
     monkeypatch.setenv(native.SETTING, "off")
-    assert torch.equal(_with_rope(projected, cos, sin, head_dim), expected)
+    assert torch.equal(with_rope(projected, cos, sin, head_dim), expected)
 
 
 @pytest.mark.parametrize("deferred", [False, True])
@@ -697,12 +697,13 @@ def test_a_questions_rope_in_c_is_transformers_to_the_bit(rows, heads, head_dim,
 @pytest.mark.parametrize("name", ["llama-gqa", "mistral", "qwen2"])
 def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, dtype, deferred, tmp_path,
                                                                            monkeypatch):
-    """snapkv.engine.lean_decode.question_pass: a question over a cache (restored into the room of a deferred one, or a
+    """snapkv.engine.torch_question.question_pass: a question over a cache (restored into the room of a deferred one, or a
     plain copy), each layer cut as snapkv.compression.compress's hook cuts it: the same logits, the same kept positions and the
     same cached keys and values, bit for bit, as the model's forward under compressing(); with SnapKV's scores from
-    the attention kernel's window sums in fp32. answer() takes it (and gives the same tokens) unless the engine is reference."""
+    the attention kernel's window sums in fp32. answer() takes a lean pass (and gives the same tokens) unless the engine
+    is reference."""
     from snapkv.modeling import cpu_attention
-    from snapkv.engine import lean_decode
+    from snapkv.engine import lean_decode, native_question, torch_question
     from snapkv.storage.cachefile import load_cache, save_cache
     from snapkv.engine.generation import run_forward
 
@@ -727,7 +728,7 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
                 with compressing(model, plan) if plan else contextlib.nullcontext():
                     logits = run_forward(model, question.unsqueeze(0), working, positions.unsqueeze(0))
             else:
-                logits = lean_decode.question_pass(model, question, PROMPT_LENGTH, working, plan)
+                logits = torch_question.question_pass(model, question, PROMPT_LENGTH, working, plan)
             results[way] = (logits, plan.kept if plan else {}, [layer.keys for layer in working.layers],
                             [layer.values for layer in working.layers])
         (logits, kept, keys, values), (lean_logits, lean_kept, lean_keys, lean_values) = results.values()
@@ -738,8 +739,9 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
     if dtype == torch.float32 and native.unavailable_reason() is None:  # the C kernel's sums scored every cut
         assert sums == [False] * 6 + [True] * 12  # 3 layers x 2 ways: no cut, then two cuts
     passes = []
-    real_pass = lean_decode.question_pass
-    monkeypatch.setattr(lean_decode, "question_pass", lambda *a, **k: passes.append(1) or real_pass(*a, **k))
+    for module in (torch_question, native_question):  # the lean passes, whichever engine's applies
+        real = module.question_pass
+        monkeypatch.setattr(module, "question_pass", lambda *a, real=real, **k: passes.append(1) or real(*a, **k))
     for cut in (None, Cut(24, 8)):
         tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8, engine="reference"))
         assert not passes

@@ -110,7 +110,7 @@ def test_the_kernels_give_the_same_bits_whatever_their_thread_count(monkeypatch)
     model on blocks, with the kernels on one thread and on two: the same logits to the bit, the same positions kept."""
     from snapkv.compression.compress import CompressionPlan
     from snapkv.compression.config import Cut
-    from snapkv.engine import lean_decode, native_decode
+    from snapkv.engine import native_decode, native_question
     from snapkv.engine.generation import prefill
     from snapkv.modeling.presized import presize
     from test_native_decode import PROMPT, QUESTION, ids, on_blocks
@@ -122,8 +122,8 @@ def test_the_kernels_give_the_same_bits_whatever_their_thread_count(monkeypatch)
         monkeypatch.setattr(threads, "_share", CoreShare(count, None))
         working = cache.to_dynamic_cache(model.config)
         plan = CompressionPlan(Cut(64, 8), window=QUESTION)
-        logits = [lean_decode.question_pass(model, ids(QUESTION, 2), PROMPT, working, plan,
-                                            native_decode.question_layers(model))]
+        logits = [native_question.question_pass(model, ids(QUESTION, 2), PROMPT, working, plan,
+                                                native_decode.question_layers(model))]
         presize(working, 8)
         stepper = native_decode.for_cache(model, working, PROMPT + QUESTION, 8)
         assert stepper is not None

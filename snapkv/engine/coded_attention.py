@@ -1,5 +1,5 @@
-"""A question's attention and SnapKV's cut over a saved layer read straight from its codes, for snapkv.engine.lean_decode's
-question pass.
+"""A question's attention and SnapKV's cut over a saved layer read straight from its codes, for the native engine's
+question pass (snapkv.engine.native_question).
 
 Over a deferred cache (snapkv.storage.deferred) the pass restored each layer to fp32 (8k tokens of the embedded model: 12 MB
 of keys and values a layer, ~40 ms of a question over 30 layers), attended over it, then kept ~1/8 of it. Here one C
@@ -9,7 +9,7 @@ query and output rows), scores the positions from the window's softmax sums as S
 head), picks the best, and restores only those (the same bits as the whole layer's restore). Its output and scores
 agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same positions kept).
 
-Taken where everything fits (lean_decode.question_pass asked for it: the native engine's, snapkv.engine.engines): fp32 on a CPU
+Taken where everything fits (the native engine's question pass asked for it): fp32 on a CPU
 with AVX-512 and snapkv's kernels; SnapKV's method or its chunks; a layer the plan cuts, stored below 16 bits as one part or as a
 sharper share whose keys and values share their sharper positions; keys grouped along tokens and values along
 channels, in groups of a multiple of 16; every value part rotated alike; head_dim a multiple of 64 (up to 256).

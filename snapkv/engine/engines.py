@@ -3,11 +3,12 @@ or says it does not apply here (None) and the next engine in the order is asked.
 
     reference  the model's own forward (transformers), for every model and device: the answers the others are
                checked against (tests/test_engines.py)
-    torch      snapkv.engine.lean_decode: the same layers as the few PyTorch calls they need (a plain
-               Llama-family model on CPU; fp32 results to the bit)
-    native     the torch engine's layers with their parts in C (snapkv.engine.native_decode), a saved layer attended
-               and cut from its codes (snapkv.engine.coded_attention), and each decoded token through every layer in
-               one C call (projections in 4/8-bit blocks, fp32 on CPU); within fp32 rounding of the torch engine
+    torch      the same layers as the few PyTorch calls they need (a plain Llama-family model on CPU; fp32 results
+               to the bit): its question pass snapkv.engine.torch_question, its steps snapkv.engine.lean_decode
+    native     its question pass snapkv.engine.native_question (the torch engine's with the layers' parts in C and a
+               saved layer attended and cut from its codes: snapkv.engine.coded_attention), and each decoded token
+               through every layer in one C call (snapkv.engine.native_decode: projections in 4/8-bit blocks, fp32 on
+               CPU); within fp32 rounding of the torch engine
     compiled   decode steps by torch.compile over a static copy of the cache (snapkv.engine.compiled); its question
                pass is native's (or the next that applies)
 
@@ -25,7 +26,7 @@ from transformers import DynamicCache
 from snapkv import native
 from snapkv.compression.compress import CompressionPlan, compressing
 from snapkv.compression.config import engine_setting
-from snapkv.engine import lean_decode, native_decode
+from snapkv.engine import lean_decode, native_decode, native_question, torch_question
 from snapkv.modeling.presized import presize, presize_pays
 
 _ORDERS = {"auto": ("native", "torch", "reference"), "native": ("native", "torch", "reference"),
@@ -138,7 +139,7 @@ class Torch(Engine):
     def question_pass(self, model, question_ids, start, working, plan):
         if not lean_decode.qualifies(model, working):
             return None
-        return lean_decode.question_pass(model, question_ids.to(model_device(model)), start, working, plan)
+        return torch_question.question_pass(model, question_ids.to(model_device(model)), start, working, plan)
 
     def stepper(self, model, working, position, steps):
         if not lean_decode.qualifies(model, working):
@@ -167,8 +168,8 @@ class Native(Engine):
         layers = native_decode.question_layers(model)  # None: the layers' parts stay PyTorch's
         if layers is None and model.dtype != torch.float32:
             return None  # nor can the attention read the codes (fp32 only): all of it would be the torch engine's
-        return lean_decode.question_pass(model, question_ids.to(model_device(model)), start, working, plan,
-                                         layers, from_codes=True)
+        return native_question.question_pass(model, question_ids.to(model_device(model)), start, working, plan,
+                                             layers)
 
     def stepper(self, model, working, position, steps):
         if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):

@@ -9,7 +9,7 @@ another order: logits agree with the lean step within rounding (tests/test_nativ
 token for token in the tests and on the needle grid.
 
 QuestionLayers does the same for a question's rows around each layer's attention (the attention, the cache write and
-the cut stay snapkv.engine.lean_decode.question_pass's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
+the cut stay snapkv.engine.native_question's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
 
 Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, every
 layer presized in fp32 with room, fused q/k/v and gate/up blocks, no biases, the kernels available); else the lean
@@ -165,7 +165,7 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
 class QuestionLayers:
     """A question's rows through each layer's parts before and after its attention in C
     (snapkv/native/kernels/decode_step.c's question_before_attention / question_after_attention: norms, the fused
-    products, RoPE and the SiLU as decode_token computes them), for snapkv.engine.lean_decode.question_pass; build with
+    products, RoPE and the SiLU as decode_token computes them), for snapkv.engine.native_question; build with
     question_layers. The attention, the cache write and the cut stay the pass's own."""
 
     def __init__(self, shape: native.DecoderShape, layers: list[native.DecoderLayer]) -> None:
@@ -191,19 +191,20 @@ class QuestionLayers:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
         return normed, query, key, value
 
-    def after(self, index: int, attended: torch.Tensor, hidden: torch.Tensor) -> None:
+    def after(self, index: int, attended: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (1, q, hidden) in place: plus the attention's projection, then plus the MLP's output; attended
-        (1, q, heads * head_dim)."""
+        (1, q, heads * head_dim). Returns hidden."""
         attended, shape, rows = attended.contiguous(), self._shape, hidden.shape[1]
         if native.kernels().question_after_attention(
                 ctypes.byref(shape), ctypes.byref(self._layers[index]), rows,
                 native.pointer(attended, torch.float32, (1, rows, shape.heads * shape.head_dim)),
                 native.pointer(hidden, torch.float32, (1, rows, shape.hidden)), threads_now()) != 0:
             raise MemoryError("the C question layer ran out of memory (or refused the model's weight blocks)")
+        return hidden
 
 
 def question_layers(model) -> QuestionLayers | None:
     """QuestionLayers for `model`, or None where its layers are not ones the C parts take (lean_decode's
-    question_pass then computes them with PyTorch's ops)."""
+    question pass then computes them with PyTorch's ops: snapkv.engine.torch_question.LayerParts)."""
     found = _model_layers(model)
     return QuestionLayers(*found) if found is not None else None
