@@ -38,7 +38,8 @@ positions as int32, keys and values in the model's dtype) is still read.
 This module owns the schema: nothing else writes these keys. What a reader needs without torch lives apart and is
 used here too: the metadata read and interpreted (snapkv.storage.cachemeta: tier_of, per_question_of, stored_tensor_names),
 the digests (snapkv.base.digests), the checks of a file's tensors (snapkv.storage.cachechecks: load_cache and
-snapkv.storage.cacheinfo, which describes a file from its raw bytes for snapkv info, run the same ones). The store folder (naming, look-up, listing) is snapkv.storage.store; the atomic write is snapkv.base.atomic.
+snapkv.storage.cacheinfo, which describes a file from its raw bytes for snapkv info, run the same ones). The store
+folder (naming, look-up, listing) is snapkv.storage.store; the atomic write is snapkv.base.atomic.
 """
 
 import ctypes

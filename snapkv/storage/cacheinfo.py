@@ -4,9 +4,10 @@ at once.
 describe_file(path) reads a file as snapkv.storage.cachefile.load_cache does (no model given) and refuses what it refuses,
 with the same CacheFileError: the header and metadata (snapkv.storage.cachemeta), the safetensors layout (checked by
 safetensors itself), the checksum over the raw tensor bytes (snapkv.base.digests, each piece's header made from the dtype
-and shape the file declares), then the tensors by the checks load_cache runs too (snapkv.storage.cachechecks). Its figures are those of the CompressedCache load_cache returns: per
-layer the (kv_heads, kept, head_dim) of its keys and values and the bytes they take as stored, and the full cache's
-size. What needs a tensor's contents (a mask's set bits, the finite checks) reads it with numpy; nothing is restored.
+and shape the file declares), then the tensors by the checks load_cache runs too (snapkv.storage.cachechecks). Its
+figures are those of the CompressedCache load_cache returns: per layer the (kv_heads, kept, head_dim) of its keys and
+values and the bytes they take as stored, and the full cache's size. What needs a tensor's contents (a mask's set
+bits, the finite checks) reads it with numpy; nothing is restored.
 """
 
 from dataclasses import dataclass
