@@ -263,13 +263,16 @@ def test_serve_ray_without_ray_says_what_to_install(tmp_path, monkeypatch, capsy
 def test_snapkv_serve_ray_runs_the_application_on_a_ray_it_starts_and_stops_on_ctrl_c(home, single_process, stop):
     """The command as typed: Ray started here, one replica, an answer equal to one process's; Ctrl-C (SIGINT) or a
     service manager's stop (SIGTERM) ends it all, with no traceback and no C stack frames."""
+    import contextlib
+    import os
     import signal
     import subprocess
     import sys
 
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "snapkv_cli", "serve", "--http", str(port), "--ray",
-                               "--api-key", KEY], stderr=subprocess.PIPE, text=True)
+                               "--api-key", KEY], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a hang shows its threads (below)
     said, serving = [], threading.Event()
 
     def drain() -> None:  # read stderr to its end all along: Ray's logs must never fill the pipe and block the server
@@ -290,9 +293,16 @@ def test_snapkv_serve_ray_runs_the_application_on_a_ray_it_starts_and_stops_on_c
         server.send_signal(getattr(signal, stop))
         try:
             code = server.wait(timeout=90)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # what it was doing: every thread's stack, then what else ran here
+            server.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(timeout=20)
             server.kill()
-            raise
+            reader.join(timeout=30)
+            busy = subprocess.run(["ps", "-eo", "pid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True,
+                                  text=True).stdout.splitlines()[:15]
+            raise AssertionError(f"serve --ray did not stop within 90 s of {stop}; it said:\n"
+                                 + "".join(said)[-12000:] + "\nbusiest processes:\n" + "\n".join(busy)) from None
     reader.join(timeout=30)
     printed = "".join(said)
     assert code == 0 and "Traceback" not in printed and "Stack trace" not in printed and "SIGABRT" not in printed, printed
