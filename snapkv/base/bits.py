@@ -42,13 +42,17 @@ class Form:
 PLAIN = Form()
 
 
+def _not_bits(whole: str) -> str:
+    """What stored bits are written as, for a text that is not."""
+    return ("stored bits are a number (8), KEYS/VALUES (4/3) or BITS+SHARE%@BITS (4/2+20%@4), each number optionally "
+            f"followed by r (rotated), u (unrotated) and gN (groups of N), as 8r/8; not {whole!r}")
+
+
 def _parse_kind(text: str, whole: str) -> tuple[int, Form]:
     """'8', '8r', '4ug32' -> (bits, Form); ValueError otherwise."""
     found = FORM_PATTERN.fullmatch(text.strip())
     if not found:
-        raise ValueError(f"stored bits are a number (8), KEYS/VALUES (4/3) or BITS+SHARE%@BITS (4/2+20%@4), each "
-                         f"number optionally followed by r (rotated), u (unrotated) and gN (groups of N), as 8r/8; "
-                         f"not {whole!r}")
+        raise ValueError(_not_bits(whole))
     bits, rotation, group = found.groups()
     form = Form({"r": True, "u": False, None: None}[rotation], int(group) if group is not None else None)
     if form and int(bits) == 16:
@@ -63,7 +67,7 @@ def _parse_kind(text: str, whole: str) -> tuple[int, Form]:
 def _parse_pair(text: str, whole: str) -> tuple[int, int, Form, Form]:
     parts = text.strip().split("/")
     if len(parts) > 2:
-        _parse_kind("", whole)  # raises, saying what is taken
+        raise ValueError(_not_bits(whole))
     keys, values = _parse_kind(parts[0], whole), _parse_kind(parts[-1], whole)
     return keys[0], values[0], keys[1], values[1]
 
