@@ -270,8 +270,11 @@ def test_snapkv_serve_ray_runs_the_application_on_a_ray_it_starts_and_stops_on_c
     import sys
 
     port = _free_port()
+    # as typed in a terminal: Ctrl-C's default action, even where this suite runs with SIGINT ignored (a job a
+    # non-interactive shell started in the background: every process it starts inherits that, and Python keeps it)
     server = subprocess.Popen([sys.executable, "-m", "snapkv_cli", "serve", "--http", str(port), "--ray",
                                "--api-key", KEY], stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
                               env={**os.environ, "PYTHONFAULTHANDLER": "1"})  # a hang shows its threads (below)
     said, serving = [], threading.Event()
 
