@@ -228,13 +228,19 @@ def _counted(path: Path, mask: StoredTensor, heads: int, length: int, owner: str
 
 
 def _kept_per_head(mask: StoredTensor, length: int) -> int:
-    """How many of `length` positions each head keeps, from a (kv_heads, ceil(length / 8)) uint8 mask whose bit
-    p % 8 of byte p // 8 is set where position p is kept; ValueError when the heads keep different numbers."""
-    bits = np.unpackbits(mask.values("u1"), axis=1, count=length, bitorder="little")  # (kv_heads, length)
-    counts = np.count_nonzero(bits, axis=1)  # (kv_heads,)
+    """How many of `length` positions each head keeps (mask_bits); ValueError when the heads keep different numbers."""
+    kept = mask_bits(mask.values("u1"), length)  # (kv_heads, length)
+    return int(np.count_nonzero(kept[0])) if kept.shape[0] else 0
+
+
+def mask_bits(mask: np.ndarray, length: int) -> np.ndarray:
+    """(kv_heads, ceil(length / 8)) uint8, bit p % 8 of byte p // 8 set where position p is kept -> (kv_heads, length)
+    bool, True where kept; ValueError when the heads keep different numbers of positions."""
+    kept = np.unpackbits(mask, axis=1, count=length, bitorder="little").view(bool)
+    counts = np.count_nonzero(kept, axis=1)  # (kv_heads,)
     if counts.size and (counts != counts[0]).any():
         raise ValueError("heads keep different numbers of positions")
-    return int(counts[0]) if counts.size else 0
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- checks
