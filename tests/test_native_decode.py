@@ -10,7 +10,7 @@ from snapkv import native
 from snapkv.modeling.block_weights import use_block_weights
 from snapkv.compression.config import Cut
 from snapkv.engine.generation import answer, prefill, run_forward
-from snapkv.modeling.presized import presize
+from snapkv.modeling.presized import PresizedLayer, presize
 
 from conftest import COMMON, build_tiny
 from test_block_weights import snap_to_blocks
@@ -136,8 +136,9 @@ def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch)
     _, working = after_question(qwen2, room=4)
     assert native_decode.for_cache(qwen2, working, PROMPT + QUESTION, 4) is None
     model = on_blocks()
-    cache = prefill(model, ids(PROMPT, 1), None).to_dynamic_cache(model.config)  # not presized
-    assert native_decode.for_cache(model, cache, PROMPT, 4) is None
+    cache = prefill(model, ids(PROMPT, 1), None).to_dynamic_cache(model.config)  # not presized: for_cache presizes it
+    assert native_decode.for_cache(model, cache, PROMPT, 4) is not None
+    assert all(type(layer) is PresizedLayer and layer.buffers[0].shape[2] == PROMPT + 4 for layer in cache.layers)
     _, working = after_question(model, room=4)
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is not None
     monkeypatch.setenv(native.SETTING, "off")

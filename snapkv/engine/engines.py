@@ -7,8 +7,9 @@ or says it does not apply here (None) and the next engine in the order is asked.
                to the bit): its question pass snapkv.engine.torch_question, its steps snapkv.engine.lean_decode
     native     its question pass snapkv.engine.native_question (the torch engine's with the layers' parts in C and a
                saved layer attended and cut from its codes: snapkv.engine.coded_attention), and each decoded token
-               through every layer in one C call (snapkv.engine.native_decode: projections in 4/8-bit blocks, fp32 on
-               CPU); within fp32 rounding of the torch engine
+               through every layer in one C call (snapkv.engine.native_decode: projections in 4/8-bit blocks, or plain
+               bf16/fp32 rows, summed in fp32 on CPU); within fp32 rounding of the torch engine. A bf16 model's
+               question pass is the torch engine's
     compiled   decode steps by torch.compile over a static copy of the cache (snapkv.engine.compiled); its question
                pass is native's (or the next that applies)
 
@@ -165,17 +166,14 @@ class Native(Engine):
     def question_pass(self, model, question_ids, start, working, plan):
         if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):
             return None
+        if model.dtype != torch.float32:
+            return None  # its C parts and the attention from codes read fp32 rows: a bf16 pass is the torch engine's
         layers = native_decode.question_layers(model)  # None: the layers' parts stay PyTorch's
-        if layers is None and model.dtype != torch.float32:
-            return None  # nor can the attention read the codes (fp32 only): all of it would be the torch engine's
         return native_question.question_pass(model, question_ids.to(model_device(model)), start, working, plan,
                                              layers)
 
     def stepper(self, model, working, position, steps):
-        if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):
-            return None
-        _ready_in_place(model, working, steps)
-        decoder = native_decode.for_cache(model, working, position, steps)
+        decoder = native_decode.for_cache(model, working, position, steps)  # presizes the cache itself (fp32)
         return _NativeSteps(decoder) if decoder is not None else None
 
 

@@ -266,7 +266,19 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
         from snapkv.modeling.block_weights import use_block_weights
 
         weights = use_block_weights(model, saved_in=Path(source) if _converted_here(source) else None).describe()
+    if torch_device.type == "cpu" and not device_map:
+        _fuse_plain_weights(model)
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights, prefill_dtype)
+
+
+def _fuse_plain_weights(model) -> None:
+    """Where the kernels are available, q/k/v and gate/up weights that are not 4/8-bit blocks (a bf16 checkpoint,
+    in bf16 or fp32) fused into one matrix each, which the native decode reads (snapkv.modeling.dense_weights)."""
+    from snapkv import native
+    from snapkv.modeling.dense_weights import fuse_dense
+
+    if native.unavailable_reason() is None:
+        fuse_dense(model)
 
 
 def _converted_here(source: str) -> bool:
@@ -309,6 +321,8 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
                                                  attn_implementation=pick_attention(torch_device))
     check_supported(model)
     model.eval()
+    if torch_device.type == "cpu":
+        _fuse_plain_weights(model)
     try:
         tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1], local_files_only=True)
     except OSError as error:

@@ -18,13 +18,16 @@ PresizedLayers' views at what is written (before the lean step takes over from i
 """
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from snapkv import native
 from snapkv.engine import lean_decode
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
-from snapkv.modeling.presized import PresizedLayer
+from snapkv.modeling.dense_weights import DENSE_DTYPES, dense_matmul, fused_dense, plain_weight
+from snapkv.modeling.presized import PresizedLayer, in_dtype, presize
 from snapkv.native.threads import threads_now
 
 ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
@@ -52,19 +55,29 @@ def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
                and tuple(buffer.shape[1::2]) == (kv_heads, head_dim) for buffer in layer.buffers)
 
 
+@dataclass
+class ModelLayers:
+    """The C view of a model's decoder layers (norms and projections; no cache buffers yet) and its shape. `kept`
+    holds the tensors the pointers read that the model itself does not (fp32 copies of bf16 norms)."""
+
+    shape: native.DecoderShape
+    layers: list[native.DecoderLayer]
+    kept: list[torch.Tensor]
+
+
 class NativeDecoder:
     """decode_token over one answer's presized cache; build with for_cache."""
 
-    def __init__(self, model, cache, layers: list[native.DecoderLayer], shape: native.DecoderShape,
-                 cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
+    def __init__(self, model, cache, found: ModelLayers, cos: torch.Tensor, sin: torch.Tensor,
+                 first_position: int) -> None:
         self._model, self._cache = model, cache
-        self._layers = (native.DecoderLayer * len(layers))(*layers)
-        self._shape = shape
+        self._layers = (native.DecoderLayer * len(found.layers))(*found.layers)
+        self._shape = found.shape
         self._cos, self._sin = cos, sin  # (positions, head_dim) from first_position on
         self._first_position = first_position
-        self._hidden = torch.empty(shape.hidden)
+        self._hidden = torch.empty(found.shape.hidden)
         # the tensors the C side reads and writes, kept alive as long as the pointers are
-        self._kept = [layer.buffers for layer in cache.layers]
+        self._kept = [layer.buffers for layer in cache.layers], found.kept
 
     @torch.inference_mode()
     def step(self, token: int, position: int) -> torch.Tensor | None:
@@ -87,13 +100,26 @@ class NativeDecoder:
             return None
         if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
             raise MemoryError("the C decode step ran out of memory (or refused the model's weight blocks)")
-        hidden = self._hidden.view(1, 1, -1)
-        return self._model.lm_head(lean_decode.rms_norm(inner.norm, hidden))[0, -1]
+        return _logits(self._model, self._hidden.view(1, 1, -1))
 
     def sync(self) -> None:
-        """Point every PresizedLayer's views at the slots the C calls have filled."""
+        """Point every PresizedLayer's views at the slots the C calls have filled, and leave the cache in the model's
+        dtype (a bf16 model's fp32 buffers copied back to bf16) for the steps that take over."""
         for layer, written in zip(self._cache.layers, self._layers):
             layer.written_to(written.filled)
+        in_dtype(self._cache, self._model.model.embed_tokens.weight.dtype)
+
+
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (1, 1, hidden) fp32, the last layer's output -> the logits (vocab,): the final norm, then lm_head. A bf16
+    lm_head is multiplied in fp32 by the kernel that reads its bf16 rows (fp32 activations, as in the layers)."""
+    normed = lean_decode.rms_norm(model.model.norm, hidden)
+    weight = plain_weight(model.lm_head)
+    if weight is not None and weight.dtype != torch.float32:
+        logits = dense_matmul(normed.float().reshape(1, -1).contiguous(), weight)
+        if logits is not None:
+            return logits[0]
+    return model.lm_head(normed.to(model.lm_head.weight.dtype))[0, -1]
 
 
 def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,65 +127,101 @@ def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch
     rotary module (so its scaling, e.g. Llama 3's, is the model's)."""
     inner = model.model
     positions = torch.arange(first_position, first_position + count).unsqueeze(0)  # (1, count)
-    probe = inner.embed_tokens.weight[:1].unsqueeze(0)  # (1, 1, hidden): dtype and device for the module
+    probe = inner.embed_tokens.weight[:1].unsqueeze(0).float()  # (1, 1, hidden): fp32 angles, as the C step computes
     cos, sin = inner.rotary_emb(probe, positions)  # (1, count, head_dim) each
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def _model_layers(model) -> tuple[native.DecoderShape, list[native.DecoderLayer]] | None:
-    """The C view of every decoder layer (norms and blocks; no cache buffers yet) and the model's shape, or None where
-    the layers are not ones the C code takes (embeddings not fp32, projections not fused 4/8-bit blocks without
-    biases, norms of other dtypes or epsilons, a head size not a multiple of 8). The callers check the rest
-    (lean_decode.qualifies: a plain Llama-family model on CPU)."""
+def _fused_matrix(parent, names: tuple[str, ...]) -> native.BlockMatrix | None:
+    """The C view of `parent`'s projections `names` fused into one matrix: their 4/8-bit blocks, or their plain
+    bf16/fp32 rows (snapkv.modeling.dense_weights); None where they are neither."""
+    blocks = fused_blocks(parent, names)
+    if blocks is not None:
+        return _matrix(blocks) if _contiguous(blocks) else None
+    weight = fused_dense(parent, names)
+    return _dense_matrix(weight) if weight is not None else None
+
+
+def _single_matrix(linear) -> native.BlockMatrix | None:
+    """The C view of one bias-free projection: its 4/8-bit blocks, or its plain bf16/fp32 rows; None where neither."""
+    blocks = _plain_blocks(linear)
+    if blocks is not None:
+        return _matrix(blocks) if _contiguous(blocks) else None
+    weight = plain_weight(linear)
+    return _dense_matrix(weight) if weight is not None else None
+
+
+def _dense_matrix(weight: torch.Tensor) -> native.BlockMatrix:
+    outputs, inputs = weight.shape
+    return native.BlockMatrix(DENSE_DTYPES[weight.dtype], native.pointer(weight, weight.dtype), None, None, outputs,
+                              inputs)
+
+
+def _model_layers(model) -> ModelLayers | None:
+    """The C view of every decoder layer, or None where the layers are not ones the C code takes (embeddings neither
+    fp32 nor bf16, projections neither fused 4/8-bit blocks nor fused plain bf16/fp32 rows, biases, norms of other
+    epsilons, a head size not a multiple of 8). The callers check the rest (lean_decode.qualifies: a plain
+    Llama-family model on CPU)."""
     if native.unavailable_reason() is not None:
         return None
     config, inner = model.config, model.model
     decoder_layers = inner.layers
-    if inner.embed_tokens.weight.dtype != torch.float32:
+    if inner.embed_tokens.weight.dtype not in DENSE_DTYPES:
         return None
     attention = decoder_layers[0].self_attn
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim, hidden, intermediate = attention.head_dim, config.hidden_size, config.intermediate_size
     if head_dim % 8 or heads % kv_heads:
         return None
-    layers = []
+    layers, kept = [], []
     for decoder_layer in decoder_layers:
         attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
-        qkv, gate_up = fused_blocks(attention, lean_decode.QKV), fused_blocks(mlp, lean_decode.GATE_UP)
-        o, down = _plain_blocks(attention.o_proj), _plain_blocks(mlp.down_proj)
+        matrices = (_fused_matrix(attention, lean_decode.QKV), _single_matrix(attention.o_proj),
+                    _fused_matrix(mlp, lean_decode.GATE_UP), _single_matrix(mlp.down_proj))
         norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
-        if (None in (qkv, gate_up, o, down) or not all(map(_contiguous, (qkv, gate_up, o, down)))
-                or any(norm.weight.dtype != torch.float32 or not norm.weight.is_contiguous() for norm in norms)
+        if (None in matrices or any(norm.weight.dtype not in DENSE_DTYPES for norm in norms)
                 or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
                 or norms[1].variance_epsilon != norms[0].variance_epsilon):
             return None
-        layers.append(native.DecoderLayer(*(native.pointer(norm.weight, torch.float32, (hidden,)) for norm in norms),
-                                          _matrix(qkv), _matrix(o), _matrix(gate_up), _matrix(down)))
+        norm_weights = [norm.weight.detach().float().contiguous() for norm in norms]  # (hidden,) each: a copy if bf16
+        kept += norm_weights
+        layers.append(native.DecoderLayer(*(native.pointer(weight, torch.float32, (hidden,)) for weight in norm_weights),
+                                          *matrices))
     shape = native.DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
-                          decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
-    return shape, layers
+                                decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
+    return ModelLayers(shape, layers, kept)
+
+
+def _presizable(layer, kv_heads: int, head_dim: int) -> bool:
+    """A layer presize turns into fp32 buffers the C step reads (a plain DynamicLayer of one batch entry), or one that
+    already is such buffers."""
+    if type(layer) is PresizedLayer:
+        return _buffers_fit(layer, kv_heads, head_dim)
+    return (type(layer) is DynamicLayer and layer.is_initialized and layer.keys.shape[0] == 1
+            and tuple(layer.keys.shape[1::2]) == (kv_heads, head_dim))
 
 
 @torch.inference_mode()
 def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
-    """A NativeDecoder for `steps` tokens from `first_position` over `cache` (its layers presized), or None where
-    the model or the cache is not one it takes: then the lean step decodes."""
+    """A NativeDecoder for `steps` tokens from `first_position` over `cache`, its layers presized first into fp32
+    buffers with room for them (a bf16 model's cache copied to fp32: the C attention reads fp32), or None where the
+    model or the cache is not one it takes (cache untouched): then the lean step decodes."""
     if native.unavailable_reason() is not None or not lean_decode.qualifies(model, cache) or steps < 1:
         return None
-    config = model.config
     if len(model.model.layers) != len(cache.layers):
         return None
     found = _model_layers(model)
     if found is None:
         return None
-    shape, layers = found
-    for layer, cache_layer in zip(layers, cache.layers):
-        if not _buffers_fit(cache_layer, config.num_key_value_heads, shape.head_dim):
-            return None
+    kv_heads, head_dim = model.config.num_key_value_heads, found.shape.head_dim
+    if not all(_presizable(layer, kv_heads, head_dim) for layer in cache.layers):
+        return None
+    presize(cache, steps, dtype=torch.float32)
+    for layer, cache_layer in zip(found.layers, cache.layers):
         layer.keys, layer.values = (native.pointer(buffer, torch.float32) for buffer in cache_layer.buffers)
         layer.capacity, layer.filled = cache_layer.buffers[0].shape[2], cache_layer.filled
     cos, sin = _rotary(model, first_position, steps)
-    return NativeDecoder(model, cache, layers, shape, cos, sin, first_position)
+    return NativeDecoder(model, cache, found, cos, sin, first_position)
 
 
 class QuestionLayers:
@@ -168,9 +230,10 @@ class QuestionLayers:
     products, RoPE and the SiLU as decode_token computes them), for snapkv.engine.native_question; build with
     question_layers. The attention, the cache write and the cut stay the pass's own."""
 
-    def __init__(self, shape: native.DecoderShape, layers: list[native.DecoderLayer]) -> None:
-        self._shape = shape
-        self._layers = layers
+    def __init__(self, found: ModelLayers) -> None:
+        self._shape = found.shape
+        self._layers = found.layers
+        self._kept = found.kept  # what the pointers read that the model does not hold
 
     def before(self, index: int, hidden: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -207,4 +270,4 @@ def question_layers(model) -> QuestionLayers | None:
     """QuestionLayers for `model`, or None where its layers are not ones the C parts take (lean_decode's
     question pass then computes them with PyTorch's ops: snapkv.engine.torch_question.LayerParts)."""
     found = _model_layers(model)
-    return QuestionLayers(*found) if found is not None else None
+    return QuestionLayers(found) if found is not None else None

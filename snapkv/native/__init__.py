@@ -36,8 +36,8 @@ from pathlib import Path
 from snapkv.base.ownership import private_folder, written_only_by_me
 from snapkv.base.paths import snapkv_home
 
-SOURCES = ("library.c", "blockwise_matmul.c", "dequantize.c", "few_rows.c", "decode_step.c", "window_cut.c",
-           "coded_attention.c")
+SOURCES = ("library.c", "blockwise_matmul.c", "dequantize.c", "few_rows.c", "dense_rows.c", "decode_step.c",
+           "window_cut.c", "coded_attention.c")
 HEADERS = ("kernels.h", "vectors.h", "portable_vectors.h", "simd.h", "tiles.h", "hadamard.h")  # part of the digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-ffp-contract=off", "-Wno-psabi", "-shared", "-fPIC")
@@ -63,7 +63,7 @@ _pointer, _size, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, c
 
 
 class BlockMatrix(ctypes.Structure):
-    """kernels.h's block_matrix: a projection in 4/8-bit blocks."""
+    """kernels.h's block_matrix: a projection in 4/8-bit blocks, or plain bf16/fp32 rows (bits 16/32)."""
     _fields_ = [("bits", _size), ("codes", _pointer), ("scale", _pointer), ("minimum", _pointer),
                 ("outputs", _size), ("inputs", _size)]
 
@@ -90,6 +90,8 @@ BINDINGS: dict[str, tuple[object, tuple]] = {
     "matmul_8bit": (_int, (_pointer, _size, _size, _pointer, _pointer, _size, _pointer, _int)),
     "linear_rows": (_int, (_pointer, _size, _size, _pointer, _size, _pointer, _int)),
     "linear_rows_blocks": (_int, (_pointer, _size, _size, _int, _pointer, _pointer, _pointer, _size, _pointer, _int)),
+    "linear_rows_bf16": (_int, (_pointer, _size, _size, _pointer, _size, _pointer, _int)),
+    "matmul_dense": (_int, (_pointer, _size, _size, _pointer, _int, _size, _pointer, _int)),
     "attend_rows": (_int, (_pointer, _size, _size, _size, _float, _pointer, _size, _pointer, _size, _size, _size,
                            _pointer, _pointer, _pointer, _size, _pointer, _int)),
     "attend_coded_and_cut": (_int, (_pointer, _size, _size, _size, _float, _size, _int, _pointer, _pointer, _size,

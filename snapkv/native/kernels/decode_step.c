@@ -1,5 +1,6 @@
 /* One decoded token through every layer of a plain Llama-family decoder whose projections are 4/8-bit blocks
- * (snapkv.modeling.block_weights), in one call: no Python between the layers (snapkv/engine/native_decode.py).
+ * (snapkv.modeling.block_weights) or plain bf16/fp32 rows (snapkv.modeling.dense_weights), in one call: no Python
+ * between the layers (snapkv/engine/native_decode.py).
  *
  * Each layer, as transformers' LlamaDecoderLayer computes it for one token:
  *   normed = RMSNorm(hidden)                      x * 1/sqrt(mean(x^2) + eps), times the norm's weight
@@ -27,24 +28,30 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* y (m->outputs) = x (m->inputs) @ W^T for one row: the block kernel (snapkv/native/kernels/blockwise_matmul.c). */
+/* y (m->outputs) = x (m->inputs) @ W^T for one row: the block kernel (snapkv/native/kernels/blockwise_matmul.c), or
+ * for plain bf16/fp32 rows snapkv/native/kernels/dense_rows.c's. */
 static int product(const block_matrix *m, const float *x, float *y, int threads) {
     if (m->bits == 4) return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
     if (m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
+    if (m->bits == 16 || m->bits == 32) return matmul_dense(x, 1, m->inputs, m->codes, m->bits == 16, m->outputs, y,
+                                                            threads);
     return -1;
 }
 
 /* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: one row by product(), a question's rows by
- * snapkv/native/kernels/few_rows.c's kernel. */
+ * snapkv/native/kernels/few_rows.c's kernels. */
 static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
     if (rows == 1) return product(m, x, y, threads);
+    if (m->bits == 16 || m->bits == 32) return matmul_dense(x, rows, m->inputs, m->codes, m->bits == 16, m->outputs, y,
+                                                            threads);
     return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
 }
 
 /* Whether m multiplies `inputs` values into `outputs`, in a form product() takes. */
 static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
-    return ((m->bits == 4 && m->minimum) || m->bits == 8) && m->codes && m->scale && m->inputs == inputs
-           && m->outputs == outputs && inputs % 32 == 0;
+    if (!m->codes || m->inputs != inputs || m->outputs != outputs) return 0;
+    if (m->bits == 16 || m->bits == 32) return inputs % 8 == 0;
+    return ((m->bits == 4 && m->minimum) || m->bits == 8) && m->scale && inputs % 32 == 0;
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {

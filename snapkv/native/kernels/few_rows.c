@@ -20,7 +20,8 @@
  *   the softmax is simd.h's (exp by Cephes' single-precision polynomial, within 2 ulp of expf), each row's largest
  *   score found tile by tile as the scores are made.
  * linear_rows: y (rows, n) = x (rows, k) @ W^T for W (n, k) row-major (snapkv.modeling.block_weights: a question's rows);
- *   linear_rows_blocks the same with W as 4-bit or 8-bit blocks, decoded to its exact fp32 values a tile at a time.
+ *   linear_rows_blocks the same with W as 4-bit or 8-bit blocks, linear_rows_bf16 with W as bf16 rows, each decoded
+ *   to its exact fp32 values a tile at a time.
  *
  * Work is spread over `threads` OpenMP threads (tiles of the long side; for attention then rows for the softmax
  * and row blocks for the values). head_dim a multiple of 16, at most MAX_HEAD_DIM; k a
@@ -139,6 +140,14 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
  * then added as snapkv.modeling.block_weights checked the blocks to give back every weight: the very fp32 values. */
 static void weights_from_blocks(int bits, const uint8_t *codes, const float *scale, const float *minimum, int64_t k,
                                 int64_t first, int64_t count, float *rows_out) {
+    if (bits == 16) {  /* bf16 rows (n, k): each weight's 16 bits, then 16 zero bits, is its fp32 value */
+        const uint16_t *halves = (const uint16_t *)codes + first * k;
+        for (int64_t i = 0; i < count * k; i++) {
+            const uint32_t widened = (uint32_t)halves[i] << 16;
+            memcpy(rows_out + i, &widened, sizeof widened);
+        }
+        return;
+    }
     const int64_t blocks = k / 32, code_bytes = bits == 4 ? k / 2 : k;
 #if defined(SNAPKV_PORTABLE)
     /* plain loops, which the compiler vectorizes for its target (the generic build's 8-lane vectors stay in memory
@@ -190,7 +199,7 @@ static void weights_from_blocks(int bits, const uint8_t *codes, const float *sca
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W given as fp32 rows (`weight`, (n, k)) or, where `weight` is NULL, as blocks
- * (`bits`, `codes`, `scale`, `minimum`; k a multiple of 32), decoded a tile of outputs at a time: the same tiles,
+ * (`bits`, `codes`, `scale`, `minimum`; k a multiple of 32) or bf16 rows (`bits` 16, `codes`), decoded a tile of outputs at a time: the same tiles,
  * the same sums, the same bits. Returns 0, or -1 when memory runs out. */
 static int product_tiles(const float *x, int64_t rows, int64_t k, const float *weight, int bits, const uint8_t *codes,
                          const float *scale, const float *minimum, int64_t n, float *y, int threads) {
@@ -234,6 +243,14 @@ static int product_tiles(const float *x, int64_t rows, int64_t k, const float *w
 int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y, int threads) {
     if (rows < 1 || k < 8 || k % 8) return -1;
     return product_tiles(x, rows, k, weight, 0, NULL, NULL, NULL, n, y, threads);
+}
+
+/* linear_rows with the weights as bf16 rows (n, k), widened to their fp32 values a tile at a time: the same bits as
+ * linear_rows over those fp32 values, from half the bytes. Returns 0, or -1 for a shape it does not take or when
+ * memory runs out. */
+int linear_rows_bf16(const float *x, int64_t rows, int64_t k, const void *weight, int64_t n, float *y, int threads) {
+    if (rows < 1 || k < 8 || k % 8) return -1;
+    return product_tiles(x, rows, k, NULL, 16, weight, NULL, NULL, n, y, threads);
 }
 
 /* linear_rows with the weights as 4-bit or 8-bit blocks (minimum NULL for 8-bit): the same bits, from a fifth of

@@ -24,9 +24,9 @@ int wide_vectors(int request);     /* the 16-lane functions: 1/0 to choose (wher
 
 /* ---- structs (decode_step.c) ---- */
 typedef struct {
-    int64_t bits;          /* 4 or 8 */
-    const void *codes;     /* as blockwise_matmul.c reads them */
-    const float *scale;
+    int64_t bits;          /* 4 or 8: blocks; 16 or 32: plain bf16 or fp32 rows (dense_rows.c) */
+    const void *codes;     /* as blockwise_matmul.c reads them; for 16/32 the weights (outputs, inputs) */
+    const float *scale;    /* blocks only */
     const float *minimum;  /* 4-bit only */
     int64_t outputs, inputs;
 } block_matrix;
@@ -43,7 +43,7 @@ typedef struct {
     float norm_eps, scaling;
 } decoder_shape;
 
-/* ---- products with weights in 4/8-bit blocks (blockwise_matmul.c) and fp32 (few_rows.c) ---- */
+/* ---- products with weights in 4/8-bit blocks (blockwise_matmul.c), fp32 and bf16 rows (few_rows.c) ---- */
 int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
                 const float *minimum, int64_t n, float *y, int threads);
 int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
@@ -51,6 +51,11 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
 int linear_rows(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y, int threads);
 int linear_rows_blocks(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes, const float *scale,
                        const float *minimum, int64_t n, float *y, int threads);
+int linear_rows_bf16(const float *x, int64_t rows, int64_t k, const void *weight, int64_t n, float *y, int threads);
+
+/* ---- products with plain bf16 (bf16 = 1) or fp32 weights (n, k), summed in fp32 (dense_rows.c) ---- */
+int matmul_dense(const float *x, int64_t rows, int64_t k, const void *weight, int bf16, int64_t n, float *y,
+                 int threads);
 
 /* ---- a question's attention (few_rows.c over fp32 rows, coded_attention.c over a saved layer's codes) ---- */
 int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,

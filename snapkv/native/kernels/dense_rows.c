@@ -1,0 +1,119 @@
+/* Products with plain float weights, bf16 or fp32, for a few rows of fp32 activations: y (rows, n) = x (rows, k) @ W^T,
+ * W (n, k) row-major. A model whose weights are not 4/8-bit blocks (a user's bf16 checkpoint, in bf16 or in fp32) is
+ * decoded by the native engine through these (decode_step.c's matrices of 16 and 32 bits).
+ *
+ * Every sum is in fp32: a bf16 weight is its exact fp32 value (its 16 bits, then 16 zero bits), so the products are
+ * those of the same weights held in fp32, summed in another order (within rounding of PyTorch's fp32 matmul, never a
+ * bf16 rounding of the activations). A decoded token reads each weight once, from memory: half the bytes of fp32
+ * weights for bf16 ones.
+ *
+ * One row: each output's dot product in two chains of FMAs, 16 floats a vector where wide_vectors() says the CPU has
+ * AVX-512 (blockwise_matmul.c), else 8; outputs spread over `threads` OpenMP threads, each prefetching the weights of
+ * the output AHEAD rows on. More rows (a question's): few_rows.c's register tiles (linear_rows for fp32; bf16 rows
+ * widened a tile at a time by linear_rows_bf16). k a multiple of 8. */
+#include "vectors.h"
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#define AHEAD 4  /* outputs ahead whose weights one output's product prefetches */
+
+/* 8 bf16 values as the 8 fp32 values they are. */
+static inline __m256 bf16_as_floats(const uint16_t *p) {
+#if defined(SNAPKV_PORTABLE)
+    uint32_t bits[8];
+    for (int i = 0; i < 8; i++) bits[i] = (uint32_t)p[i] << 16;
+    __m256 v;
+    memcpy(&v, bits, sizeof v);
+    return v;
+#else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#endif
+}
+
+/* y (n) = x (k) @ W^T, 8 floats a vector. */
+static void one_row(const float *x, int64_t k, const void *weight, int bf16, int64_t n, float *y, int threads) {
+    const int64_t row_bytes = k * (bf16 ? 2 : 4);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        if (out + AHEAD < n) prefetch_bytes((const char *)weight + (out + AHEAD) * row_bytes, row_bytes);
+        __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        int64_t j = 0;
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)weight + out * k;
+            for (; j + 16 <= k; j += 16) {
+                even = _mm256_fmadd_ps(bf16_as_floats(w + j), _mm256_loadu_ps(x + j), even);
+                odd = _mm256_fmadd_ps(bf16_as_floats(w + j + 8), _mm256_loadu_ps(x + j + 8), odd);
+            }
+            if (j < k) even = _mm256_fmadd_ps(bf16_as_floats(w + j), _mm256_loadu_ps(x + j), even);
+        } else {
+            const float *w = (const float *)weight + out * k;
+            for (; j + 16 <= k; j += 16) {
+                even = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), even);
+                odd = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), odd);
+            }
+            if (j < k) even = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), even);
+        }
+        y[out] = lane_sum(_mm256_add_ps(even, odd));
+    }
+}
+
+#if !SNAPKV_WIDE_EMULATED
+/* one_row with 16 floats a vector (the avx512 variant only: the others have no 16-lane widening of bf16). */
+WIDE static void one_row_wide(const float *x, int64_t k, const void *weight, int bf16, int64_t n, float *y,
+                              int threads) {
+    const int64_t row_bytes = k * (bf16 ? 2 : 4);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        if (out + AHEAD < n) prefetch_bytes((const char *)weight + (out + AHEAD) * row_bytes, row_bytes);
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        int64_t j = 0;
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)weight + out * k;
+            for (; j + 32 <= k; j += 32) {
+                const __m512i first = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j)));
+                const __m512i second = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j + 16)));
+                even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(first, 16)), _mm512_loadu_ps(x + j), even);
+                odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(second, 16)), _mm512_loadu_ps(x + j + 16),
+                                      odd);
+            }
+            for (; j < k; j += 8) {  /* the last 8 to 24 of a row */
+                const __mmask16 eight = 0xFF;
+                const __m512i widened = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(w + j))));
+                even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(widened, 16)),
+                                       _mm512_maskz_loadu_ps(eight, x + j), even);
+            }
+        } else {
+            const float *w = (const float *)weight + out * k;
+            for (; j + 32 <= k; j += 32) {
+                even = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), even);
+                odd = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(x + j + 16), odd);
+            }
+            for (; j < k; j += 8) {
+                const __mmask16 eight = 0xFF;
+                even = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(eight, w + j), _mm512_maskz_loadu_ps(eight, x + j), even);
+            }
+        }
+        y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+    }
+}
+#endif
+
+/* Returns 0, or -1 for a shape it does not take (rows < 1, k not a multiple of 8) or when memory runs out. */
+int matmul_dense(const float *x, int64_t rows, int64_t k, const void *weight, int bf16, int64_t n, float *y,
+                 int threads) {
+    if (rows < 1 || k < 8 || k % 8 || n < 1) return -1;
+    if (rows > 1) return bf16 ? linear_rows_bf16(x, rows, k, weight, n, y, threads)
+                              : linear_rows(x, rows, k, weight, n, y, threads);
+#if !SNAPKV_WIDE_EMULATED
+    if (wide_vectors(-1)) {
+        one_row_wide(x, k, weight, bf16, n, y, threads);
+        return 0;
+    }
+#endif
+    one_row(x, k, weight, bf16, n, y, threads);
+    return 0;
+}
