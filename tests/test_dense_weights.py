@@ -13,7 +13,7 @@ from snapkv.compression.config import Cut
 from snapkv.engine import lean_decode, native_decode
 from snapkv.engine.engines import EngineUse
 from snapkv.engine.generation import answer, prefill, run_forward
-from snapkv.modeling.dense_weights import dense_matmul, fuse_dense, fused_dense
+from snapkv.modeling.dense_weights import Bf16Linear, dense_matmul, fuse_dense, fused_dense, narrow_exact_bf16
 from snapkv.modeling.presized import PresizedLayer, presize
 
 from conftest import build_tiny
@@ -145,3 +145,79 @@ def test_a_bf16_models_answer_steps_natively_and_says_its_question_pass_was_torc
         assert (used.question, used.steps) == ("torch", "native") and len(tokens) == 6
         by_torch = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=1, engine="torch"))
         assert tokens[:1] == by_torch
+
+
+def bf16_checkpoint_in_fp32():
+    """A tiny fp32 model whose weights are all bf16 values (a bf16 checkpoint loaded in fp32), but one: o_proj of the
+    first layer keeps a value bf16 cannot hold."""
+    model = build_tiny("llama-gqa").to(torch.bfloat16).float()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] += 1e-6
+    return model
+
+
+def test_exact_bf16_weights_are_held_in_bf16_and_the_autocast_prefill_is_the_same_to_the_bit():
+    """narrow_exact_bf16 swaps every linear layer whose fp32 weights are bf16 values (not the one that is not), halving
+    their bytes; under the prefill's autocast the logits are those of the fp32 weights to the bit, and outside it (fp32
+    rows: a question, a decoded token, a long forward) within fp32 rounding."""
+    model = bf16_checkpoint_in_fp32()
+    wide = copy.deepcopy(model)
+    linears = sum(type(module) is torch.nn.Linear for module in model.modules())
+    assert narrow_exact_bf16(model) == linears - 1
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert type(model.model.layers[1].self_attn.o_proj) is Bf16Linear
+    assert model.model.layers[1].self_attn.o_proj.weight.dtype == torch.bfloat16
+    tokens = ids(90, 4).unsqueeze(0)  # more rows than the few-rows kernel takes: PyTorch's product over widened weights
+    with torch.inference_mode():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(tokens).logits, wide(tokens).logits)
+        for length in (1, 12, 90):
+            found, expected = model(tokens[:, :length]).logits, wide(tokens[:, :length]).logits
+            assert found.dtype == torch.float32
+            assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
+
+
+def test_a_tied_output_head_stays_with_the_embeddings():
+    model = build_tiny("llama-gqa").to(torch.bfloat16).float()
+    model.lm_head.weight = model.get_input_embeddings().weight
+    narrow_exact_bf16(model)
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.get_input_embeddings().weight
+
+
+def test_narrowed_weights_decode_natively_question_pass_included():
+    """An fp32 model with bf16-held weights, fused: the native engine runs its question pass (C parts over the bf16
+    rows) and its steps, with the tokens of the torch engine over the fp32 weights."""
+    model = build_tiny("llama-gqa").to(torch.bfloat16).float()
+    wide = copy.deepcopy(model)
+    narrow_exact_bf16(model)
+    fuse_dense(model)
+    assert native_decode.question_layers(model) is not None
+    cache = prefill(wide, ids(PROMPT, 1), None)
+    for cut in (None, Cut(64, 8)):
+        used = EngineUse()
+        tokens = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=8, used=used))
+        assert (used.question, used.steps) == ("native", "native")
+        assert tokens == list(answer(wide, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=8, engine="torch"))
+
+
+def test_the_embedded_model_in_bf16_decodes_natively_and_keeps_its_facts(embedded_home, monkeypatch):
+    """`--dtype bfloat16` on CPU: load_model fuses the bf16 weights, every step is the native engine's (the question
+    pass the torch engine's), and the sample report's answers state its facts, as the torch engine's do."""
+    from snapkv.engine.models import load_model
+    from snapkv.io.documents import read_sources
+    from snapkv.session import Session
+    from snapkv.compression.config import SnapKVConfig
+
+    monkeypatch.setenv("SNAPKV_HOME", str(embedded_home))
+    loaded = load_model(dtype="bfloat16")
+    assert fused_dense(loaded.model.model.layers[0].mlp, lean_decode.GATE_UP) is not None
+    session = Session(loaded, SnapKVConfig(budget=256))
+    prepared = session.prepare(session.prompt(read_sources("samples/annual_report.txt")))
+    for question, fact in [("What was the 2023 revenue?", "184.6"), ("Who chairs the board?", "Priya Raman")]:
+        ids_ = session.prompter.question_ids(question, "")
+        for engine in ("auto", "torch"):
+            used = EngineUse()
+            tokens = list(answer(loaded.model, prepared.cache, ids_, per_question=prepared.per_question,
+                                 max_new_tokens=48, stop_ids=loaded.stop_ids, engine=engine, used=used))
+            assert fact in loaded.tokenizer.decode(tokens), (engine, loaded.tokenizer.decode(tokens))
+            assert used.steps == ("native" if engine == "auto" else "torch") and used.question == "torch"

@@ -267,18 +267,22 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
 
         weights = use_block_weights(model, saved_in=Path(source) if _converted_here(source) else None).describe()
     if torch_device.type == "cpu" and not device_map:
-        _fuse_plain_weights(model)
+        weights = _plain_weights(model, narrow=block_weights) or weights
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights, prefill_dtype)
 
 
-def _fuse_plain_weights(model) -> None:
-    """Where the kernels are available, q/k/v and gate/up weights that are not 4/8-bit blocks (a bf16 checkpoint,
-    in bf16 or fp32) fused into one matrix each, which the native decode reads (snapkv.modeling.dense_weights)."""
+def _plain_weights(model, narrow: bool = True) -> str | None:
+    """Where the kernels are available: an fp32 model's weights that are exactly bf16 values (a bf16 checkpoint) held
+    in bf16 (with `narrow`), and q/k/v and gate/up weights that are not 4/8-bit blocks fused into one matrix each,
+    which the native decode reads (snapkv.modeling.dense_weights). What was narrowed, in words (None: nothing)."""
     from snapkv import native
-    from snapkv.modeling.dense_weights import fuse_dense
+    from snapkv.modeling.dense_weights import fuse_dense, narrow_exact_bf16
 
-    if native.unavailable_reason() is None:
-        fuse_dense(model)
+    if native.unavailable_reason() is not None:
+        return None
+    narrowed = narrow_exact_bf16(model) if narrow and model.dtype == torch.float32 else 0
+    fuse_dense(model)
+    return f"{narrowed} linear layers held in bf16 (their exact values)" if narrowed else None
 
 
 def _converted_here(source: str) -> bool:
@@ -322,7 +326,7 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
     check_supported(model)
     model.eval()
     if torch_device.type == "cpu":
-        _fuse_plain_weights(model)
+        _plain_weights(model)
     try:
         tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1], local_files_only=True)
     except OSError as error:

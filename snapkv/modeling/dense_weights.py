@@ -1,25 +1,84 @@
 """Plain bf16 or fp32 weights, the way the native decode reads them: q/k/v and gate/up rows fused into one matrix each,
-and a product for a few fp32 rows (snapkv/native/kernels/dense_rows.c).
+a product for a few fp32 rows (snapkv/native/kernels/dense_rows.c), and fp32 weights that are exactly bf16 values held
+in bf16 (Bf16Linear).
 
 A user's checkpoint (Llama, Qwen, Mistral in bf16) is not 4/8-bit blocks (snapkv.modeling.block_weights), so without
 this the native engine turned it down and every token went through PyTorch's steps. `fuse_dense` puts each layer's
 q/k/v (and gate/up) weights one after another in one tensor and points every nn.Linear at its rows (views: no second
 copy, PyTorch's forward unchanged), so that decode_step.c reads them in one product, as it reads fused blocks. The
 products sum in fp32 whatever the weights' dtype: a bf16 weight is read as its exact fp32 value, half the bytes.
+
+A bf16 checkpoint loaded in fp32 (`--dtype auto` on CPU: fp32 weights, the prefill's products in bf16 by autocast)
+holds every weight twice as wide as its values need. `narrow_exact_bf16` keeps those matrices in bf16 as Bf16Linear:
+under autocast the products are the very ones the fp32 weights gave (autocast rounds them to bf16 anyway); outside it
+fp32 rows are multiplied in fp32 over the same values. Half the memory, and half the bytes each decoded token reads.
 """
 
 import torch
+import torch.nn.functional as F
 
 from snapkv import native
-from snapkv.modeling.block_weights import FUSIBLE
+from snapkv.modeling.block_weights import FEW_ROWS, FUSIBLE
 from snapkv.native.threads import threads_now
 
 FUSED_DENSE = "snapkv_fused_dense"  # on a module: {(child names): their weights' rows, one after another}
 DENSE_DTYPES = {torch.bfloat16: 16, torch.float32: 32}  # dtype: the bits decode_step.c's matrix is told
 
 
+class Bf16Linear(torch.nn.Module):
+    """An nn.Linear of an fp32 model whose weights are exactly bf16 values, held in bf16 (weight: (out, in) bf16).
+
+    forward: under CPU autocast to bf16, or for bf16 input, F.linear over the bf16 weight (the products autocast made of
+    the fp32 weight, which it rounded to these very values); fp32 rows otherwise in fp32 over the same values, up to
+    FEW_ROWS (a decoded token, a question) by dense_rows.c, more by F.linear over the weight widened for the call."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = torch.nn.Parameter(linear.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or torch.is_autocast_enabled("cpu") or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features
+        y = None
+        if rows <= FEW_ROWS and native.unavailable_reason() is None:
+            y = dense_matmul(x.reshape(rows, self.in_features).contiguous(), self.weight)
+        if y is None:
+            return F.linear(x, self.weight.float(), self.bias)
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bf16 weights (exact)"
+
+
+def _exactly_bf16(weight: torch.Tensor) -> bool:
+    """Whether every value of an fp32 weight is a bf16 value (a bf16 checkpoint loaded in fp32): the first row tried
+    first, so that a float checkpoint's matrix is turned down after one row."""
+    rows = weight.detach()
+    return all(torch.equal(part.to(torch.bfloat16).float(), part) for part in (rows[:1], rows))
+
+
+@torch.no_grad()
+def narrow_exact_bf16(model: torch.nn.Module) -> int:
+    """Swap every nn.Linear of an fp32 model on CPU whose weight is exactly bf16 values for a Bf16Linear (a weight tied
+    to the input embeddings stays as it is: the embeddings read it in fp32). Returns how many were swapped."""
+    tied = model.get_input_embeddings().weight
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if (type(child) is torch.nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu"
+                    and child.weight is not tied and _exactly_bf16(child.weight)):
+                setattr(parent, name, Bf16Linear(child))
+                swapped += 1
+    return swapped
+
+
 def _plain(linear) -> bool:
-    return (type(linear) is torch.nn.Linear and linear.bias is None and linear.weight.dtype in DENSE_DTYPES
+    return (type(linear) in (torch.nn.Linear, Bf16Linear) and linear.bias is None and linear.weight.dtype in DENSE_DTYPES
             and linear.weight.device.type == "cpu" and linear.weight.is_contiguous())
 
 
