@@ -205,7 +205,8 @@ def report(loaded: LoadedModel, prepared: PreparedDocument, answers: list[Answer
                    "prefill_peak_bytes": prepared.prefill_peak_bytes,
                    "answer_peak_bytes": max((a.peak_bytes for a in answers), default=0)},
         "model": {"name": loaded.name, "context_length": loaded.context_length,
-                  "precision": loaded.precision},  # "float32", or "float32 weights, bfloat16 prefill"
+                  "precision": loaded.precision,  # "float32", or "float32 weights, bfloat16 prefill"
+                  "weights": loaded.weights},  # how decoding reads them: 4/8-bit blocks, bf16-held, as loaded
     }
 
 

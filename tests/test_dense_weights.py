@@ -211,7 +211,7 @@ def test_the_embedded_model_in_bf16_decodes_natively_and_keeps_its_facts(embedde
     monkeypatch.setenv("SNAPKV_HOME", str(embedded_home))
     loaded = load_model(dtype="bfloat16")
     assert fused_dense(loaded.model.model.layers[0].mlp, lean_decode.GATE_UP) is not None
-    session = Session(loaded, SnapKVConfig(budget=256))
+    session = Session(loaded, SnapKVConfig(budget=1024))
     prepared = session.prepare(session.prompt(read_sources("samples/annual_report.txt")))
     for question, fact in [("What was the 2023 revenue?", "184.6"), ("Who chairs the board?", "Priya Raman")]:
         ids_ = session.prompter.question_ids(question, "")
@@ -221,3 +221,11 @@ def test_the_embedded_model_in_bf16_decodes_natively_and_keeps_its_facts(embedde
                                  max_new_tokens=48, stop_ids=loaded.stop_ids, engine=engine, used=used))
             assert fact in loaded.tokenizer.decode(tokens), (engine, loaded.tokenizer.decode(tokens))
             assert used.steps == ("native" if engine == "auto" else "torch") and used.question == "torch"
+
+
+def test_fp32_buffers_too_large_for_the_free_memory_leave_a_bf16_cache_to_the_lean_step(monkeypatch):
+    model, _ = twins(torch.bfloat16)
+    working, _ = after_question(model, room=4, dtype=torch.float32)
+    monkeypatch.setattr(native_decode, "free_bytes", lambda device: 1 << 16)  # 64 KiB free: the fp32 copy needs 336
+    assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is None
+    assert all(type(layer) is DynamicLayer and layer.keys.dtype == torch.bfloat16 for layer in working.layers)

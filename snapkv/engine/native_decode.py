@@ -25,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from snapkv import native
 from snapkv.engine import lean_decode
+from snapkv.engine.memory import free_bytes
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
 from snapkv.modeling.dense_weights import DENSE_DTYPES, dense_matmul, fused_dense, plain_weight
 from snapkv.modeling.presized import PresizedLayer, in_dtype, presize
@@ -201,6 +202,14 @@ def _presizable(layer, kv_heads: int, head_dim: int) -> bool:
             and tuple(layer.keys.shape[1::2]) == (kv_heads, head_dim))
 
 
+def _fp32_copy_fits(cache, steps: int) -> bool:
+    """Whether fp32 buffers for the layers held in another dtype (a bf16 model's cache: twice its bytes, made while it
+    is still held) take at most half of the free memory; else the model's own steps decode over the cache as it is."""
+    needed = sum(2 * 4 * layer.keys[..., :1, :].numel() * (layer.keys.shape[-2] + steps)
+                 for layer in cache.layers if layer.keys.dtype != torch.float32)
+    return needed == 0 or needed <= free_bytes(torch.device("cpu")) // 2
+
+
 @torch.inference_mode()
 def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
     """A NativeDecoder for `steps` tokens from `first_position` over `cache`, its layers presized first into fp32
@@ -214,7 +223,7 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
     if found is None:
         return None
     kv_heads, head_dim = model.config.num_key_value_heads, found.shape.head_dim
-    if not all(_presizable(layer, kv_heads, head_dim) for layer in cache.layers):
+    if not all(_presizable(layer, kv_heads, head_dim) for layer in cache.layers) or not _fp32_copy_fits(cache, steps):
         return None
     presize(cache, steps, dtype=torch.float32)
     for layer, cache_layer in zip(found.layers, cache.layers):
