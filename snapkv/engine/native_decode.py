@@ -1,22 +1,24 @@
 """One decoded token through every layer in one C call (snapkv/native/kernels/decode_step.c), for a plain Llama-family
-model on CPU in fp32 whose projections are 4/8-bit blocks (snapkv.modeling.block_weights: the embedded model).
+model on CPU whose projections are 4/8-bit blocks (snapkv.modeling.block_weights: the embedded model in fp32) or plain
+bf16/fp32 rows fused at load (snapkv.modeling.dense_weights: a user's checkpoint, in bf16 or in fp32).
 
 snapkv.engine.lean_decode already writes one token's forward as the few PyTorch calls it needs, but on a 2-core CPU
 those ~35 calls per layer, and sdpa's attention for one query row (a kernel made for many rows), still cost
 more than reading the weights. Here the layers run without Python between them: norms, RoPE, the cache write,
-the attention and the SiLU in C, the products by the same block kernels as before. The same formulas, summed in
-another order: logits agree with the lean step within rounding (tests/test_native_decode.py), greedy answers
-token for token in the tests and on the needle grid.
+the attention and the SiLU in C, the products by the block or plain-row kernels, all in fp32. The same formulas,
+summed in another order: logits agree with the lean step within rounding (tests/test_native_decode.py,
+tests/test_dense_weights.py against an fp32 twin of a bf16 model), greedy answers token for token in the tests and on
+the needle grid.
 
 QuestionLayers does the same for a question's rows around each layer's attention (the attention, the cache write and
 the cut stay snapkv.engine.native_question's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
 
-Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, every
-layer presized in fp32 with room, fused q/k/v and gate/up blocks, no biases, the kernels available); else the lean
-step, as before. The C call writes each token into the presized buffers' next slot; `sync` points the
-PresizedLayers' views at what is written (before the lean step takes over from it).
+Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, fused
+q/k/v and gate/up matrices, no biases, the kernels available); else the lean step, as before. for_cache presizes the
+cache into fp32 buffers with room for the answer (a bf16 model's copied, where that fits); the C call writes each token
+into the next slot; `sync` points the PresizedLayers' views at what is written and hands the cache back in the model's
+dtype (before the lean step takes over from it).
 """
-
 import ctypes
 from dataclasses import dataclass
 
