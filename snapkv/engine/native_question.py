@@ -12,8 +12,7 @@ from transformers import DynamicCache
 
 from snapkv.compression.compress import CompressionPlan, capturing
 from snapkv.engine.coded_attention import attend_and_cut
-from snapkv.engine.lean_decode import rms_norm
-from snapkv.engine.native_decode import QuestionLayers
+from snapkv.engine.native_decode import QuestionLayers, output_logits
 from snapkv.engine.torch_question import LayerParts, attend_over_cache, question_mask
 
 
@@ -38,4 +37,4 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
             if attended is None:
                 attended = attend_over_cache(model, attention, found, cache, mask, plan, cut, (cos, sin))
             hidden = parts.after(index, attended, hidden)
-    return model.lm_head(rms_norm(inner.norm, hidden)[:, -1:])[0, -1]
+    return output_logits(model, hidden)
