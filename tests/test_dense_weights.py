@@ -229,3 +229,16 @@ def test_fp32_buffers_too_large_for_the_free_memory_leave_a_bf16_cache_to_the_le
     monkeypatch.setattr(native_decode, "free_bytes", lambda device: 1 << 16)  # 64 KiB free: the fp32 copy needs 336
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is None
     assert all(type(layer) is DynamicLayer and layer.keys.dtype == torch.bfloat16 for layer in working.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_output_head_in_fp32_is_the_fp32_twins_head_within_rounding(dtype):
+    """native_decode.output_logits: the final norm and a plain bf16 or fp32 head by dense_rows.c, the last row only,
+    against the fp32 twin's own norm and head."""
+    model, twin = twins(dtype)
+    hidden = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        found = native_decode.output_logits(model, hidden)
+        expected = twin.lm_head(lean_decode.rms_norm(twin.model.norm, hidden))[0, -1]
+    assert found.shape == expected.shape == (model.config.vocab_size,)
+    assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
