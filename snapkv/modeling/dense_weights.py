@@ -32,7 +32,8 @@ class Bf16Linear(torch.nn.Module):
 
     forward: under CPU autocast to bf16, or for bf16 input, F.linear over the bf16 weight (the products autocast made of
     the fp32 weight, which it rounded to these very values); fp32 rows otherwise in fp32 over the same values, up to
-    FEW_ROWS (a decoded token, a question) by dense_rows.c, more by F.linear over the weight widened for the call."""
+    FEW_ROWS (a decoded token, a question) by dense_rows.c, more (or in a graph torch.compile traces) by F.linear over
+    the weight widened for the call."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -45,7 +46,7 @@ class Bf16Linear(torch.nn.Module):
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         y = None
-        if rows <= FEW_ROWS and native.unavailable_reason() is None:
+        if rows <= FEW_ROWS and native.unavailable_reason() is None and not torch.compiler.is_compiling():
             y = dense_matmul(x.reshape(rows, self.in_features).contiguous(), self.weight)
         if y is None:
             return F.linear(x, self.weight.float(), self.bias)
