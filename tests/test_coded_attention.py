@@ -64,11 +64,13 @@ def coded_calls(monkeypatch) -> list[bool]:
     (Bits(8), QUESTION, "pyramid")])  # more kept in the lower layers, fewer in the upper ones
 @pytest.mark.parametrize("heads", [dict(num_attention_heads=4, num_key_value_heads=2),
                                    dict(num_attention_heads=2, num_key_value_heads=2)])
-def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, method, heads, tmp_path, monkeypatch):
+def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, method, heads, tmp_path, monkeypatch,
+                                                             vector_width):
     """The same question over the same deferred cache, its attention and cut from the codes and from the layer
     restored whole: logits within fp32 rounding, the same positions kept, the kept stored rows the same to the bit
     (restored as the whole layer's restore gives them) and the question's own rows within rounding (computed from
     the layer before's output)."""
+    vector_width(True)  # the 16-lane functions the coded path needs (in plain C outside the avx512 build)
     model = on_blocks(hidden_size=64 * heads["num_attention_heads"], **heads)
     cache = saved(model, bits, tmp_path / "cache.snapkv")
     layers = native_decode.question_layers(model)
@@ -105,10 +107,11 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
             assert torch.allclose(got[0][~stored], want[0][~stored], atol=1e-5)  # the question's
 
 
-def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monkeypatch):
-    """answer() over a deferred cache takes the coded path in every layer its cut applies to, and gives the tokens
-    the restored path gives; the torch engine (PyTorch's ops, the model's bits) and a question without a cut never
-    call it."""
+def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monkeypatch, vector_width):
+    """answer() over a deferred cache takes the coded path in every layer its cut applies to (where the 16-lane
+    functions are in use), and gives the tokens the restored path gives; the torch engine (PyTorch's ops, the model's
+    bits) and a question without a cut never call it."""
+    vector_width(True)
     model = on_blocks(hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
     question = ids(QUESTION, 2)
@@ -125,8 +128,9 @@ def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monke
 
 def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vector_width):
     """None (and nothing changed) where the codes are not what the kernel reads: keys and values whose sharper
-    positions differ, head_dim not a multiple of 64, the avx512 kernels with their 16-lane functions turned off (the
-    other variants run them in plain C: vectors.h)."""
+    positions differ, head_dim not a multiple of 64, the 16-lane functions not in use (by default only the avx512
+    build uses them; the others run them in plain C, vectors.h, only on request)."""
+    vector_width(True)
     model = on_blocks(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     cache = saved(model, Bits(3, 2, share=0.2, sharp=(8, 4)), tmp_path / "cache.snapkv")
     plan = CompressionPlan(Cut(64, 8), window=QUESTION)
@@ -148,10 +152,9 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
     other = quantize_mixed(restored, flipped, *[stored_schemes(bits, 64)[1] for bits in (Bits(8, 4), Bits(3, 2))])
     layer = first_layer(other)
     assert coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None and not layer.restored
-    vector_width(False)
+    vector_width(False)  # every build declines then (the restored path is faster than the 16 lanes in plain C)
     layer = first_layer()
-    declined = coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None
-    assert declined == (native.variant() == "avx512") and layer.restored == (not declined)
+    assert coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None and not layer.restored
     vector_width(True)
     small = on_blocks(num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
     small_cache = saved(small, Bits(4, 3), tmp_path / "small.snapkv")
@@ -161,13 +164,14 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
                                           plan) is None
 
 
-def test_a_model_without_weight_blocks_takes_the_coded_path_too(tmp_path, monkeypatch):
+def test_a_model_without_weight_blocks_takes_the_coded_path_too(tmp_path, monkeypatch, vector_width):
     """A plain fp32 Llama (no 4/8-bit blocks: no C parts around the attention, as a user's own checkpoint on a CPU)
     still attends and cuts each layer from its codes, and answers as with every layer restored (the torch engine)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from conftest import COMMON
 
+    vector_width(True)
     torch.manual_seed(0)
     config = LlamaConfig(**{**COMMON, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2})
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
