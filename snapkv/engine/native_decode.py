@@ -137,22 +137,11 @@ def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
 
-def _fused_matrix(parent, names: tuple[str, ...]) -> native.BlockMatrix | None:
-    """The C view of `parent`'s projections `names` fused into one matrix: their 4/8-bit blocks, or their plain
-    bf16/fp32 rows (snapkv.modeling.dense_weights); None where they are neither."""
-    blocks = fused_blocks(parent, names)
+def _c_matrix(blocks: Blocks | None, weight: torch.Tensor | None) -> native.BlockMatrix | None:
+    """The C view of a projection given as its 4/8-bit blocks, or else as its plain bf16/fp32 rows
+    (snapkv.modeling.dense_weights); None where it is neither (or its blocks are not contiguous)."""
     if blocks is not None:
         return _matrix(blocks) if _contiguous(blocks) else None
-    weight = fused_dense(parent, names)
-    return _dense_matrix(weight) if weight is not None else None
-
-
-def _single_matrix(linear) -> native.BlockMatrix | None:
-    """The C view of one bias-free projection: its 4/8-bit blocks, or its plain bf16/fp32 rows; None where neither."""
-    blocks = _plain_blocks(linear)
-    if blocks is not None:
-        return _matrix(blocks) if _contiguous(blocks) else None
-    weight = plain_weight(linear)
     return _dense_matrix(weight) if weight is not None else None
 
 
@@ -181,8 +170,10 @@ def _model_layers(model) -> ModelLayers | None:
     layers, kept = [], []
     for decoder_layer in decoder_layers:
         attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
-        matrices = (_fused_matrix(attention, lean_decode.QKV), _single_matrix(attention.o_proj),
-                    _fused_matrix(mlp, lean_decode.GATE_UP), _single_matrix(mlp.down_proj))
+        qkv, gate_up = (_c_matrix(fused_blocks(parent, names), fused_dense(parent, names))
+                        for parent, names in ((attention, lean_decode.QKV), (mlp, lean_decode.GATE_UP)))
+        o, down = (_c_matrix(_plain_blocks(linear), plain_weight(linear)) for linear in (attention.o_proj, mlp.down_proj))
+        matrices = (qkv, o, gate_up, down)
         norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
         if (None in matrices or any(norm.weight.dtype not in DENSE_DTYPES for norm in norms)
                 or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon

@@ -28,26 +28,19 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* y (m->outputs) = x (m->inputs) @ W^T for one row: the block kernel (snapkv/native/kernels/blockwise_matmul.c), or
- * for plain bf16/fp32 rows snapkv/native/kernels/dense_rows.c's. */
-static int product(const block_matrix *m, const float *x, float *y, int threads) {
-    if (m->bits == 4) return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
-    if (m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
-    if (m->bits == 16 || m->bits == 32) return matmul_dense(x, 1, m->inputs, m->codes, m->bits == 16, m->outputs, y,
-                                                            threads);
-    return -1;
-}
-
-/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: one row by product(), a question's rows by
- * snapkv/native/kernels/few_rows.c's kernels. */
+/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: plain bf16/fp32 rows by snapkv/native/kernels/dense_rows.c; blocks
+ * by the block kernel for one row (snapkv/native/kernels/blockwise_matmul.c), by snapkv/native/kernels/few_rows.c's for a
+ * question's rows. */
 static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
-    if (rows == 1) return product(m, x, y, threads);
     if (m->bits == 16 || m->bits == 32) return matmul_dense(x, rows, m->inputs, m->codes, m->bits == 16, m->outputs, y,
                                                             threads);
+    if (rows == 1 && m->bits == 4)
+        return matmul_4bit(x, 1, m->inputs, m->codes, m->scale, m->minimum, m->outputs, y, threads);
+    if (rows == 1 && m->bits == 8) return matmul_8bit(x, 1, m->inputs, m->codes, m->scale, m->outputs, y, threads);
     return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
 }
 
-/* Whether m multiplies `inputs` values into `outputs`, in a form product() takes. */
+/* Whether m multiplies `inputs` values into `outputs`, in a form products() takes. */
 static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
     if (!m->codes || m->inputs != inputs || m->outputs != outputs) return 0;
     if (m->bits == 16 || m->bits == 32) return inputs % 8 == 0;
@@ -277,7 +270,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
     for (int64_t l = 0; l < layer_count && status == 0; l++) {
         decoder_layer *layer = &layers[l];
         rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
-        if ((status = product(&layer->qkv, normed, wide, threads))) break;
+        if ((status = products(&layer->qkv, normed, 1, wide, threads))) break;
         float *query = wide, *key = wide + heads * d, *value = key + kv_heads * d;
         for (int64_t h = 0; h < heads; h++) {
             rotate(query + h * d, cos, sin, d);

@@ -199,8 +199,8 @@ static void weights_from_blocks(int bits, const uint8_t *codes, const float *sca
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W given as fp32 rows (`weight`, (n, k)) or, where `weight` is NULL, as blocks
- * (`bits`, `codes`, `scale`, `minimum`; k a multiple of 32) or bf16 rows (`bits` 16, `codes`), decoded a tile of outputs at a time: the same tiles,
- * the same sums, the same bits. Returns 0, or -1 when memory runs out. */
+ * (`bits`, `codes`, `scale`, `minimum`; k a multiple of 32) or bf16 rows (`bits` 16, `codes`), decoded a tile of
+ * outputs at a time: the same tiles, the same sums, the same bits. Returns 0, or -1 when memory runs out. */
 static int product_tiles(const float *x, int64_t rows, int64_t k, const float *weight, int bits, const uint8_t *codes,
                          const float *scale, const float *minimum, int64_t n, float *y, int threads) {
     float *padded = padded_rows(x, rows, k, 1.0f);
