@@ -84,31 +84,50 @@ def after_question(model, room: int, dtype: torch.dtype):
     working = cache.to_dynamic_cache(model.config)
     run_forward(model, ids(QUESTION, 2).unsqueeze(0), working, torch.arange(PROMPT, PROMPT + QUESTION).unsqueeze(0))
     reference = copy.deepcopy(working)
-    presize(reference, room, dtype=dtype)
+    for layer in reference.layers:
+        layer.keys, layer.values = layer.keys.to(dtype), layer.values.to(dtype)
+    presize(reference, room)
     return working, reference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_plain_weights_step_is_the_lean_fp32_step_over_the_same_values(dtype):
-    """The C step over bf16 (or fp32) rows, with the model's cache copied into fp32 buffers, against the lean step of
-    an fp32 twin holding the same weights over the same cache in fp32: logits within fp32 rounding, token after
-    token, and the keys and values it wrote."""
+    """The C step over bf16 (or fp32) rows, reading the model's cache where it is (bf16 widened exactly), against the
+    lean step of an fp32 twin holding the same weights over the same cache in fp32: logits within fp32 rounding, token
+    after token, and the keys and values it wrote (fp32, the answer's own)."""
     model, twin = twins(dtype)
     working, reference = after_question(model, room=8, dtype=torch.float32)
     stepper = native_decode.for_cache(model, working, PROMPT + QUESTION, 8)
     assert stepper is not None
-    assert all(type(layer) is PresizedLayer and layer.keys.dtype == torch.float32 for layer in working.layers)
+    assert all(type(layer) is DynamicLayer and layer.keys.dtype == dtype for layer in working.layers)  # no copy
     for step, token in enumerate([5, 17, 99, 3, 250]):
         position = PROMPT + QUESTION + step
         expected = lean_decode.decode_step(twin, token, position, reference)
         found = stepper.step(token, position)
         assert found.dtype == torch.float32
         assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
-    for native_layer, lean_layer in zip(working.layers, reference.layers):  # the fp32 buffers the C step wrote
-        written = PROMPT + QUESTION + 5
-        assert lean_layer.keys.shape[2] == written
-        keys, values = (buffer[:, :, :written] for buffer in native_layer.buffers)
+    for index, lean_layer in enumerate(reference.layers):  # the cache's rows, then the fp32 rows the C step wrote
+        keys, values = stepper.written(index)
+        assert keys.shape == lean_layer.keys.shape and lean_layer.keys.shape[2] == PROMPT + QUESTION + 5
         assert torch.allclose(keys, lean_layer.keys, atol=1e-5) and torch.allclose(values, lean_layer.values, atol=1e-5)
+
+
+def test_a_bf16_cache_read_where_it_is_gives_the_logits_of_its_fp32_copy_to_the_bit():
+    """decode_token over a bf16 model's bf16 cache (read where it is, each value widened in the attention) and over
+    the same cache widened to fp32 first: the same logits to the bit, token after token, including the tokens whose
+    keys are read 8 at a time across the cache's last rows and the answer's first (215 rows held: not a multiple of
+    8)."""
+    model, _ = twins(torch.bfloat16)
+    in_bf16, _ = after_question(model, room=8, dtype=torch.float32)
+    in_fp32 = copy.deepcopy(in_bf16)
+    for layer in in_fp32.layers:
+        layer.keys, layer.values = layer.keys.float(), layer.values.float()
+    by_bf16 = native_decode.for_cache(model, in_bf16, PROMPT + QUESTION, 8)
+    by_fp32 = native_decode.for_cache(model, in_fp32, PROMPT + QUESTION, 8)
+    assert {layer.held_bits for layer in by_bf16._layers} == {16} and {layer.held_bits for layer in by_fp32._layers} == {32}
+    for step, token in enumerate([5, 17, 99, 3, 250, 7, 8, 9]):
+        position = PROMPT + QUESTION + step
+        assert torch.equal(by_bf16.step(token, position), by_fp32.step(token, position))
 
 
 def test_a_bf16_cache_handed_over_is_bf16_again_and_the_lean_step_goes_on():
@@ -221,14 +240,6 @@ def test_the_embedded_model_in_bf16_decodes_natively_and_keeps_its_facts(embedde
                                  max_new_tokens=48, stop_ids=loaded.stop_ids, engine=engine, used=used))
             assert fact in loaded.tokenizer.decode(tokens), (engine, loaded.tokenizer.decode(tokens))
             assert used.steps == ("native" if engine == "auto" else "torch") and used.question == "torch"
-
-
-def test_fp32_buffers_too_large_for_the_free_memory_leave_a_bf16_cache_to_the_lean_step(monkeypatch):
-    model, _ = twins(torch.bfloat16)
-    working, _ = after_question(model, room=4, dtype=torch.float32)
-    monkeypatch.setattr(native_decode, "free_bytes", lambda device: 1 << 16)  # 64 KiB free: the fp32 copy needs 336
-    assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is None
-    assert all(type(layer) is DynamicLayer and layer.keys.dtype == torch.bfloat16 for layer in working.layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -4,13 +4,14 @@ stands in for, on tiny Llama models whose weights are exact 4/8-bit blocks."""
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.cache_utils import DynamicLayer
 
 from snapkv.engine import lean_decode, native_decode, native_question, torch_question
 from snapkv import native
 from snapkv.modeling.block_weights import use_block_weights
 from snapkv.compression.config import Cut
 from snapkv.engine.generation import answer, prefill, run_forward
-from snapkv.modeling.presized import PresizedLayer, presize
+from snapkv.modeling.presized import presize
 
 from conftest import COMMON, build_tiny
 from test_block_weights import snap_to_blocks
@@ -57,7 +58,8 @@ def after_question(model, room: int):
                                    dict(num_attention_heads=8, num_key_value_heads=1)])  # a group of 8, head_dim 8
 def test_native_step_is_the_lean_step_within_rounding(heads):
     """Logits and the keys/values written agree with the lean step's to fp32 rounding, token after token, for
-    grouped and plain heads; the C step writes each token into the presized buffers' next slot."""
+    grouped and plain heads; the C step reads the cache where it is and writes each token into the answer's next
+    slot."""
     model = on_blocks(**heads)
     lean, natively = after_question(model, room=8)
     stepper = native_decode.for_cache(model, natively, PROMPT + QUESTION, 8)
@@ -124,7 +126,7 @@ def test_a_matrix_of_another_shape_is_refused_before_anything_is_written():
     stepper._layers[2].down.inputs += 32  # as if the blocks were another matrix's
     with pytest.raises(MemoryError):  # status -1
         stepper.step(5, PROMPT + QUESTION)
-    assert [layer.filled for layer in stepper._layers] == [PROMPT + QUESTION] * 3
+    assert [(layer.held, layer.filled) for layer in stepper._layers] == [(PROMPT + QUESTION, 0)] * 3
 
 
 def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch):
@@ -136,9 +138,14 @@ def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch)
     _, working = after_question(qwen2, room=4)
     assert native_decode.for_cache(qwen2, working, PROMPT + QUESTION, 4) is None
     model = on_blocks()
-    cache = prefill(model, ids(PROMPT, 1), None).to_dynamic_cache(model.config)  # not presized: for_cache presizes it
-    assert native_decode.for_cache(model, cache, PROMPT, 4) is not None
-    assert all(type(layer) is PresizedLayer and layer.buffers[0].shape[2] == PROMPT + 4 for layer in cache.layers)
+    cache = prefill(model, ids(PROMPT, 1), None).to_dynamic_cache(model.config)  # not presized: read where it is
+    layers = list(cache.layers)
+    stepper = native_decode.for_cache(model, cache, PROMPT, 4)
+    assert stepper is not None and stepper.step(5, PROMPT) is not None
+    assert all(now is before and type(now) is DynamicLayer and now.keys.shape[2] == PROMPT
+               for now, before in zip(cache.layers, layers))  # untouched until sync
+    assert all(layer.held_keys == now.keys.data_ptr() and layer.filled == 1
+               for layer, now in zip(stepper._layers, cache.layers))  # no copy: the C step reads the cache's tensors
     _, working = after_question(model, room=4)
     assert native_decode.for_cache(model, working, PROMPT + QUESTION, 4) is not None
     monkeypatch.setenv(native.SETTING, "off")

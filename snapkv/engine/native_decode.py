@@ -14,10 +14,10 @@ QuestionLayers does the same for a question's rows around each layer's attention
 the cut stay snapkv.engine.native_question's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
 
 Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, fused
-q/k/v and gate/up matrices, no biases, the kernels available); else the lean step, as before. for_cache presizes the
-cache into fp32 buffers with room for the answer (a bf16 model's copied, where that fits); the C call writes each token
-into the next slot; `sync` points the PresizedLayers' views at what is written and hands the cache back in the model's
-dtype (before the lean step takes over from it).
+q/k/v and gate/up matrices, no biases, the kernels available); else the lean step, as before. The C call reads the
+cache's rows where the question's pass left them (fp32 or bf16, bf16 widened exactly: no copy of the cache), and writes
+each token's keys and values into the answer's own fp32 buffers, sized for it; `sync` hands the whole over as plain
+layers in the model's dtype (before the lean step takes over from it).
 """
 import ctypes
 from dataclasses import dataclass
@@ -27,10 +27,9 @@ from transformers.cache_utils import DynamicLayer
 
 from snapkv import native
 from snapkv.engine import lean_decode
-from snapkv.engine.memory import free_bytes
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
 from snapkv.modeling.dense_weights import DENSE_DTYPES, dense_matmul, fused_dense, plain_weight
-from snapkv.modeling.presized import PresizedLayer, in_dtype, presize
+from snapkv.modeling.presized import PresizedLayer
 from snapkv.native.threads import threads_now
 
 ROOM_EXHAUSTED = -2  # decode_token's status when a layer's buffer is full (nothing written)
@@ -50,12 +49,7 @@ def _plain_blocks(linear: torch.nn.Module) -> Blocks | None:
     return linear.blocks if isinstance(linear, BlockLinear) and linear.bias is None else None
 
 
-def _buffers_fit(layer, kv_heads: int, head_dim: int) -> bool:
-    """A PresizedLayer over contiguous fp32 buffers (1, kv_heads, capacity, head_dim) (decode_token checks the room)."""
-    if type(layer) is not PresizedLayer:
-        return False
-    return all(buffer.dtype == torch.float32 and buffer.is_contiguous() and buffer.shape[0] == 1
-               and tuple(buffer.shape[1::2]) == (kv_heads, head_dim) for buffer in layer.buffers)
+HELD_BITS = {torch.float32: 32, torch.bfloat16: 16}  # the cache dtypes decode_token reads where they are
 
 
 @dataclass
@@ -69,18 +63,29 @@ class ModelLayers:
 
 
 class NativeDecoder:
-    """decode_token over one answer's presized cache; build with for_cache."""
+    """decode_token over one answer: the cache's rows read where the question's pass left them, the answer's own in
+    fp32 buffers with room for it; build with for_cache."""
 
-    def __init__(self, model, cache, found: ModelLayers, cos: torch.Tensor, sin: torch.Tensor,
-                 first_position: int) -> None:
+    def __init__(self, model, cache, found: ModelLayers, held: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
+                 cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
+        """held: per layer, the cache's keys and values (kv_heads, tokens, head_dim), contiguous fp32 or bf16."""
         self._model, self._cache = model, cache
+        kv_heads, head_dim = found.shape.kv_heads, found.shape.head_dim
+        # per layer, the answer's keys and values (kv_heads, steps, head_dim) fp32, written by the C calls
+        self._answer = [(torch.empty(kv_heads, steps, head_dim), torch.empty(kv_heads, steps, head_dim))
+                        for _ in held]
+        for layer, (keys, values), (answer_keys, answer_values) in zip(found.layers, held, self._answer):
+            layer.held_keys, layer.held_values = (native.pointer(part, part.dtype) for part in (keys, values))
+            layer.held, layer.held_bits = keys.shape[1], HELD_BITS[keys.dtype]
+            layer.keys, layer.values = (native.pointer(part, torch.float32) for part in (answer_keys, answer_values))
+            layer.capacity, layer.filled = steps, 0
         self._layers = (native.DecoderLayer * len(found.layers))(*found.layers)
         self._shape = found.shape
         self._cos, self._sin = cos, sin  # (positions, head_dim) from first_position on
         self._first_position = first_position
         self._hidden = torch.empty(found.shape.hidden)
         # the tensors the C side reads and writes, kept alive as long as the pointers are
-        self._kept = [layer.buffers for layer in cache.layers], found.kept
+        self._held, self._kept = held, found.kept
 
     @torch.inference_mode()
     def step(self, token: int, position: int) -> torch.Tensor | None:
@@ -105,12 +110,25 @@ class NativeDecoder:
             raise MemoryError("the C decode step ran out of memory (or refused the model's weight blocks)")
         return output_logits(self._model, self._hidden.view(1, 1, -1))
 
+    def written(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `index`'s keys and values (1, kv_heads, tokens, head_dim) as this answer holds them: the cache's rows
+        then the answer's, in fp32 (a copy)."""
+        filled = self._layers[index].filled
+        keys, values = self._held[index]
+        answer_keys, answer_values = self._answer[index]
+        return (torch.cat([keys.float(), answer_keys[:, :filled]], dim=1).unsqueeze(0),
+                torch.cat([values.float(), answer_values[:, :filled]], dim=1).unsqueeze(0))
+
     def sync(self) -> None:
-        """Point every PresizedLayer's views at the slots the C calls have filled, and leave the cache in the model's
-        dtype (a bf16 model's fp32 buffers copied back to bf16) for the steps that take over."""
-        for layer, written in zip(self._cache.layers, self._layers):
-            layer.written_to(written.filled)
-        in_dtype(self._cache, self._model.model.embed_tokens.weight.dtype)
+        """Hand the cache over to the steps that take over from these: every layer a plain DynamicLayer in the model's
+        dtype holding the cache's rows and the answer's written so far."""
+        dtype = self._model.model.embed_tokens.weight.dtype
+        for index, layer in enumerate(self._cache.layers):
+            keys, values = self.written(index)
+            plain = DynamicLayer()
+            plain.device, plain.is_initialized = layer.device, True
+            plain.keys, plain.values = keys.to(dtype), values.to(dtype)
+            self._cache.layers[index] = plain
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -188,28 +206,25 @@ def _model_layers(model) -> ModelLayers | None:
     return ModelLayers(shape, layers, kept)
 
 
-def _presizable(layer, kv_heads: int, head_dim: int) -> bool:
-    """A layer presize turns into fp32 buffers the C step reads (a plain DynamicLayer of one batch entry), or one that
-    already is such buffers."""
-    if type(layer) is PresizedLayer:
-        return _buffers_fit(layer, kv_heads, head_dim)
-    return (type(layer) is DynamicLayer and layer.is_initialized and layer.keys.shape[0] == 1
-            and tuple(layer.keys.shape[1::2]) == (kv_heads, head_dim))
-
-
-def _fp32_copy_fits(cache, steps: int) -> bool:
-    """Whether fp32 buffers for the layers held in another dtype (a bf16 model's cache: twice its bytes, made while it
-    is still held) take at most half of the free memory; else the model's own steps decode over the cache as it is."""
-    needed = sum(2 * 4 * layer.keys[..., :1, :].numel() * (layer.keys.shape[-2] + steps)
-                 for layer in cache.layers if layer.keys.dtype != torch.float32)
-    return needed == 0 or needed <= free_bytes(torch.device("cpu")) // 2
+def _held_rows(layer, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A cache layer's keys and values (kv_heads, tokens, head_dim), contiguous (a copy only where they were not), for
+    decode_token to read where they are; None for a layer it does not take (not a plain or presized full-attention
+    layer of one batch entry in fp32 or bf16)."""
+    if type(layer) not in (DynamicLayer, PresizedLayer) or not layer.is_initialized:
+        return None
+    keys, values = layer.keys, layer.values
+    if keys.shape[0] != 1 or tuple(keys.shape[1::2]) != (kv_heads, head_dim) or keys.dtype not in HELD_BITS:
+        return None
+    if values.shape != keys.shape or values.dtype != keys.dtype:
+        return None
+    return keys[0].contiguous(), values[0].contiguous()
 
 
 @torch.inference_mode()
 def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
-    """A NativeDecoder for `steps` tokens from `first_position` over `cache`, its layers presized first into fp32
-    buffers with room for them (a bf16 model's cache copied to fp32: the C attention reads fp32), or None where the
-    model or the cache is not one it takes (cache untouched): then the lean step decodes."""
+    """A NativeDecoder for `steps` tokens from `first_position` over `cache`, which it reads where it is (the cache
+    itself is left as it is until sync), or None where the model or the cache is not one it takes: then the lean step
+    decodes."""
     if native.unavailable_reason() is not None or not lean_decode.qualifies(model, cache) or steps < 1:
         return None
     if len(model.model.layers) != len(cache.layers):
@@ -218,14 +233,11 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
     if found is None:
         return None
     kv_heads, head_dim = model.config.num_key_value_heads, found.shape.head_dim
-    if not all(_presizable(layer, kv_heads, head_dim) for layer in cache.layers) or not _fp32_copy_fits(cache, steps):
+    held = [_held_rows(layer, kv_heads, head_dim) for layer in cache.layers]
+    if any(rows is None for rows in held):
         return None
-    presize(cache, steps, dtype=torch.float32)
-    for layer, cache_layer in zip(found.layers, cache.layers):
-        layer.keys, layer.values = (native.pointer(buffer, torch.float32) for buffer in cache_layer.buffers)
-        layer.capacity, layer.filled = cache_layer.buffers[0].shape[2], cache_layer.filled
     cos, sin = _rotary(model, first_position, steps)
-    return NativeDecoder(model, cache, found, cos, sin, first_position)
+    return NativeDecoder(model, cache, found, held, steps, cos, sin, first_position)
 
 
 class QuestionLayers:

@@ -17,20 +17,19 @@ from transformers.cache_utils import DynamicLayer
 class PresizedLayer(DynamicLayer):
     """keys, values: views (batch, kv_heads, filled, head_dim) of buffers with `room` more slots."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, dtype: torch.dtype | None = None) -> None:
-        """dtype: the buffers' (default the states'; snapkv.engine.native_decode holds a bf16 model's in fp32)."""
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int) -> None:
         super().__init__()
         self.device = keys.device
         self.is_initialized = True
         self._filled = keys.shape[-2]
-        self._key_buffer = self._allocate(keys, self._filled + room, dtype)
-        self._value_buffer = self._allocate(values, self._filled + room, dtype)
+        self._key_buffer = self._allocate(keys, self._filled + room)
+        self._value_buffer = self._allocate(values, self._filled + room)
         self._point_views()
 
     @staticmethod
-    def _allocate(states: torch.Tensor, capacity: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _allocate(states: torch.Tensor, capacity: int) -> torch.Tensor:
         batch, heads, filled, dim = states.shape
-        buffer = states.new_empty((batch, heads, capacity, dim), dtype=dtype or states.dtype)
+        buffer = states.new_empty((batch, heads, capacity, dim))
         buffer[:, :, :filled].copy_(states)
         return buffer
 
@@ -81,20 +80,9 @@ def presize_pays(model, cache: DynamicCache) -> bool:
     return keys is None or not cpu_attention.decodes_by_matmuls(model, keys)
 
 
-def presize(cache: DynamicCache, room: int, dtype: torch.dtype | None = None) -> None:
+def presize(cache: DynamicCache, room: int) -> None:
     """Turn every plain full-attention layer of `cache` into a PresizedLayer with `room` free slots (a copy of
-    what it holds, once; in `dtype` where given). Sliding-window layers keep their own bounded update."""
+    what it holds, once). Sliding-window layers keep their own bounded update."""
     for index, layer in enumerate(cache.layers):
         if type(layer) is DynamicLayer and layer.is_initialized:
-            cache.layers[index] = PresizedLayer(layer.keys, layer.values, room, dtype)
-
-
-def in_dtype(cache: DynamicCache, dtype: torch.dtype) -> None:
-    """Every presized layer of `cache` whose buffers are of another dtype made a plain DynamicLayer in `dtype` (what
-    it holds, copied): the cache as the model's own steps read it."""
-    for index, layer in enumerate(cache.layers):
-        if type(layer) is PresizedLayer and layer.keys.dtype != dtype:
-            plain = DynamicLayer()
-            plain.device, plain.is_initialized = layer.device, True
-            plain.keys, plain.values = layer.keys.to(dtype), layer.values.to(dtype)
-            cache.layers[index] = plain
+            cache.layers[index] = PresizedLayer(layer.keys, layer.values, room)

@@ -71,8 +71,9 @@ class BlockMatrix(ctypes.Structure):
 class DecoderLayer(ctypes.Structure):
     """kernels.h's decoder_layer: one layer's norms, projections and cache buffers."""
     _fields_ = [("input_norm", _pointer), ("post_norm", _pointer), ("qkv", BlockMatrix), ("o", BlockMatrix),
-                ("gate_up", BlockMatrix), ("down", BlockMatrix), ("keys", _pointer), ("values", _pointer),
-                ("capacity", _size), ("filled", _size)]
+                ("gate_up", BlockMatrix), ("down", BlockMatrix), ("held_keys", _pointer), ("held_values", _pointer),
+                ("held", _size), ("held_bits", _size), ("keys", _pointer), ("values", _pointer), ("capacity", _size),
+                ("filled", _size)]
 
 
 class DecoderShape(ctypes.Structure):

@@ -15,10 +15,12 @@
  * The same formulas in fp32, summed in another order (so logits agree within rounding, not to the bit); exp
  * for the softmax and SiLU is simd.h's polynomial.
  *
- * Cache buffers: (kv_heads, capacity, head_dim) fp32 per layer, rows [0, filled) held. When any layer is full
- * nothing is written and -2 is returned (the caller grows the buffers); -1, also before anything is written, for
+ * The cache: per layer, the rows the question's pass left, read where they are (held_keys, held_values: (kv_heads,
+ * held, head_dim), fp32 or bf16, bf16 widened exactly: no copy of a cache in memory), then the answer's own rows in
+ * fp32 buffers (keys, values: (kv_heads, capacity, head_dim), rows [0, filled) written). When any layer is full
+ * nothing is written and -2 is returned (the caller hands over to other steps); -1, also before anything is written, for
  * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
- * OpenMP threads inside each product and the attention. head_dim a multiple of 8. */
+ * OpenMP threads inside each product and the attention. head_dim a multiple of 8, at most 512. */
 #include "vectors.h"
 #include <math.h>
 #include <stdint.h>
@@ -96,34 +98,93 @@ static inline __m256 eight_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m2
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-#define ROWS_AHEAD 8  /* keys or values ahead of the one read that the attention prefetches */
+#define ROWS_AHEAD 8     /* keys or values ahead of the one read that the attention prefetches */
+#define MAX_HEAD_DIM 512  /* the widest head taken (8 keys straddling the two parts are widened on the stack) */
 
-/* scores[t] = query . keys[t] for t in [first, end); keys `head_dim` floats apart. */
-static void dot_keys(const float *query, const float *keys, int64_t first, int64_t end, int64_t head_dim,
+/* One KV head's keys or values as the attention reads them: rows [0, held_rows) where the question's pass left
+ * them (the cache, fp32 or bf16: no copy), rows from held_rows on from the answer's own fp32 buffer. */
+typedef struct {
+    const void *held;     /* (held_rows, head_dim), fp32 or bf16 */
+    const float *answer;  /* (rows written, head_dim) */
+    int64_t held_rows;
+    int bf16;
+} kv_rows;
+
+/* The 8 values from element `index` of `buffer` as floats: fp32 as they are, bf16 exactly widened. Inlined where
+ * `bf16` is a constant, so each loop below is compiled once per element type. */
+__attribute__((always_inline)) static inline __m256 row_floats(const void *buffer, int64_t index, const int bf16) {
+    return bf16 ? bf16_as_floats((const uint16_t *)buffer + index) : _mm256_loadu_ps((const float *)buffer + index);
+}
+
+/* Row t of `rows` (head_dim values) as floats into out. */
+static void row_as_floats(const kv_rows *rows, int64_t t, int64_t head_dim, float *out) {
+    if (t >= rows->held_rows) {
+        memcpy(out, rows->answer + (t - rows->held_rows) * head_dim, sizeof(float) * (size_t)head_dim);
+    } else if (rows->bf16) {
+        const uint16_t *row = (const uint16_t *)rows->held + t * head_dim;
+        for (int64_t c = 0; c < head_dim; c++) {
+            const uint32_t bits = (uint32_t)row[c] << 16;
+            memcpy(out + c, &bits, sizeof bits);
+        }
+    } else {
+        memcpy(out, (const float *)rows->held + t * head_dim, sizeof(float) * (size_t)head_dim);
+    }
+}
+
+/* query . key for the 8 keys from element `start` of `keys` (rows head_dim apart). */
+__attribute__((always_inline)) static inline __m256 eight_scores(const float *query, const void *keys, int64_t start,
+                                                                  int64_t head_dim, const int bf16) {
+    const int64_t value_bytes = bf16 ? 2 : 4;
+    prefetch_bytes((const char *)keys + (start + ROWS_AHEAD * head_dim) * value_bytes, 8 * head_dim * value_bytes);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t c = 0; c < head_dim; c += 8) {
+        const __m256 q = _mm256_loadu_ps(query + c);
+        const int64_t k = start + c;
+        a0 = _mm256_fmadd_ps(q, row_floats(keys, k, bf16), a0);
+        a1 = _mm256_fmadd_ps(q, row_floats(keys, k + head_dim, bf16), a1);
+        a2 = _mm256_fmadd_ps(q, row_floats(keys, k + 2 * head_dim, bf16), a2);
+        a3 = _mm256_fmadd_ps(q, row_floats(keys, k + 3 * head_dim, bf16), a3);
+        a4 = _mm256_fmadd_ps(q, row_floats(keys, k + 4 * head_dim, bf16), a4);
+        a5 = _mm256_fmadd_ps(q, row_floats(keys, k + 5 * head_dim, bf16), a5);
+        a6 = _mm256_fmadd_ps(q, row_floats(keys, k + 6 * head_dim, bf16), a6);
+        a7 = _mm256_fmadd_ps(q, row_floats(keys, k + 7 * head_dim, bf16), a7);
+    }
+    return eight_sums(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+/* query . key for the key at element `start` of `keys`. */
+__attribute__((always_inline)) static inline float one_score(const float *query, const void *keys, int64_t start,
+                                                             int64_t head_dim, const int bf16) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t c = 0; c < head_dim; c += 8)
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), row_floats(keys, start + c, bf16), a);
+    return lane_sum(a);
+}
+
+/* scores[t] = query . keys[t] for t in [first, end). Eight keys at a time from the same t as over one buffer, so the
+ * scores are the same bits wherever the two parts meet. */
+static void dot_keys(const float *query, const kv_rows *keys, int64_t first, int64_t end, int64_t head_dim,
                      float *scores) {
+    const int64_t held = keys->held_rows;
     int64_t t = first;
     for (; t + 8 <= end; t += 8) {
-        const float *k = keys + t * head_dim;
-        prefetch_bytes(k + ROWS_AHEAD * head_dim, 8 * head_dim * (int64_t)sizeof(float));
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-        for (int64_t c = 0; c < head_dim; c += 8) {
-            const __m256 q = _mm256_loadu_ps(query + c);
-            a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + c), a0);
-            a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + head_dim + c), a1);
-            a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * head_dim + c), a2);
-            a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * head_dim + c), a3);
-            a4 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 4 * head_dim + c), a4);
-            a5 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 5 * head_dim + c), a5);
-            a6 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 6 * head_dim + c), a6);
-            a7 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 7 * head_dim + c), a7);
+        __m256 eight;
+        if (t >= held) {
+            eight = eight_scores(query, keys->answer, (t - held) * head_dim, head_dim, 0);
+        } else if (t + 8 <= held) {
+            eight = keys->bf16 ? eight_scores(query, keys->held, t * head_dim, head_dim, 1)
+                               : eight_scores(query, keys->held, t * head_dim, head_dim, 0);
+        } else {  /* the 8 keys where the cache's rows end and the answer's begin */
+            float rows[8 * MAX_HEAD_DIM];
+            for (int r = 0; r < 8; r++) row_as_floats(keys, t + r, head_dim, rows + r * head_dim);
+            eight = eight_scores(query, rows, 0, head_dim, 0);
         }
-        _mm256_storeu_ps(scores + t, eight_sums(a0, a1, a2, a3, a4, a5, a6, a7));
+        _mm256_storeu_ps(scores + t, eight);
     }
     for (; t < end; t++) {
-        __m256 a = _mm256_setzero_ps();
-        for (int64_t c = 0; c < head_dim; c += 8)
-            a = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), _mm256_loadu_ps(keys + t * head_dim + c), a);
-        scores[t] = lane_sum(a);
+        if (t >= held) scores[t] = one_score(query, keys->answer, (t - held) * head_dim, head_dim, 0);
+        else if (keys->bf16) scores[t] = one_score(query, keys->held, t * head_dim, head_dim, 1);
+        else scores[t] = one_score(query, keys->held, t * head_dim, head_dim, 0);
     }
 }
 
@@ -131,17 +192,23 @@ static void dot_keys(const float *query, const float *keys, int64_t first, int64
 #define VALUE_ROWS 3    /* query heads summed together over a chunk of values (a register tile of 3 x 32 channels) */
 
 /* target[i * target_stride + 0 .. 8 * blocks] = sum over t in [first, end) of w[i][t] * v[(t - first) * head_dim + ..]
- * for i < live: `blocks` (4 or 1) vectors of 8 channels, 3 rows, 12 (or 3) independent sums in registers. */
-static inline void weigh_values(const float *const w[VALUE_ROWS], const float *v, int64_t first, int64_t end,
-                                int64_t head_dim, const int blocks, int64_t live, float *target,
-                                int64_t target_stride) {
+ * for i < live: `blocks` (4 or 1) vectors of 8 channels, 3 rows, 12 (or 3) independent sums in registers, started
+ * from zero or, with `carry`, from what target holds (a sum going on from another part's rows: the same bits as one
+ * loop over both); v fp32 or bf16. */
+__attribute__((always_inline)) static inline void weigh_values(const float *const w[VALUE_ROWS], const void *v,
+                                                                int64_t first, int64_t end, int64_t head_dim,
+                                                                const int blocks, int64_t live, float *target,
+                                                                int64_t target_stride, const int bf16, int carry) {
+    const int64_t value_bytes = bf16 ? 2 : 4;
     __m256 sums[VALUE_ROWS][4];
     for (int i = 0; i < VALUE_ROWS; i++)
-        for (int b = 0; b < 4; b++) sums[i][b] = _mm256_setzero_ps();
-    for (int64_t t = first; t < end; t++, v += head_dim) {
-        prefetch_bytes(v + ROWS_AHEAD * head_dim, 8 * blocks * (int64_t)sizeof(float));
+        for (int b = 0; b < 4; b++)
+            sums[i][b] = carry && i < live && b < blocks ? _mm256_loadu_ps(target + i * target_stride + 8 * b)
+                                                         : _mm256_setzero_ps();
+    for (int64_t t = first, row_start = 0; t < end; t++, row_start += head_dim) {
+        prefetch_bytes((const char *)v + (row_start + ROWS_AHEAD * head_dim) * value_bytes, 8 * blocks * value_bytes);
         for (int b = 0; b < blocks; b++) {
-            const __m256 row = _mm256_loadu_ps(v + 8 * b);
+            const __m256 row = row_floats(v, row_start + 8 * b, bf16);
             for (int i = 0; i < VALUE_ROWS; i++)
                 sums[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), row, sums[i][b]);
         }
@@ -150,18 +217,51 @@ static inline void weigh_values(const float *const w[VALUE_ROWS], const float *v
         for (int b = 0; b < blocks; b++) _mm256_storeu_ps(target + i * target_stride + 8 * b, sums[i][b]);
 }
 
+/* The values of rows [first, end) of one KV head (the cache's part, then the answer's) weighed for up to VALUE_ROWS
+ * query heads (w), into target: 32 channels at a time, then 8 (head_dim a multiple of 8). */
+static void weigh_chunk(const float *const w[VALUE_ROWS], const kv_rows *values, int64_t first, int64_t end,
+                        int64_t head_dim, int64_t live, float *target) {
+    const int64_t held = values->held_rows, held_end = end < held ? end : held, answer_first = first > held ? first : held;
+    const int64_t held_bytes = values->bf16 ? 2 : 4;
+    for (int64_t c = 0; c < head_dim;) {
+        const int blocks = c + 32 <= head_dim ? 4 : 1;
+        if (first < held_end) {
+            const void *v = (const char *)values->held + (first * head_dim + c) * held_bytes;
+            if (values->bf16 && blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, target + c, head_dim, 1, 0);
+            else if (values->bf16) weigh_values(w, v, first, held_end, head_dim, 1, live, target + c, head_dim, 1, 0);
+            else if (blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, target + c, head_dim, 0, 0);
+            else weigh_values(w, v, first, held_end, head_dim, 1, live, target + c, head_dim, 0, 0);
+        }
+        if (answer_first < end) {
+            const float *v = values->answer + (answer_first - held) * head_dim + c;
+            const int carry = first < held_end;
+            if (blocks == 4) weigh_values(w, v, answer_first, end, head_dim, 4, live, target + c, head_dim, 0, carry);
+            else weigh_values(w, v, answer_first, end, head_dim, 1, live, target + c, head_dim, 0, carry);
+        }
+        c += 8 * blocks;
+    }
+}
+
 /* Scratch floats attend_one needs for `tokens` keys. */
 static int64_t attention_scratch(int64_t heads, int64_t head_dim, int64_t tokens) {
     return heads * tokens + ((tokens + CHUNK - 1) / CHUNK) * heads * head_dim;
 }
 
-/* out (heads, head_dim) = softmax(query . K^T) @ V per query head; query already scaled. keys, values: per KV head
- * `tokens` rows, heads `head_stride` floats apart. scratch: attention_scratch floats. Each chunk of keys and of
- * values is read from memory once for all the query heads of its KV head; the values' chunks give partial sums,
- * added up at the end. */
-static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int64_t head_dim, const float *keys,
-                       const float *values, int64_t head_stride, int64_t tokens, float *scratch, float *out,
-                       int threads) {
+/* KV head kv's keys (values = 0) or values (values = 1) of `layer`. */
+static kv_rows layer_rows(const decoder_layer *layer, int64_t kv, int64_t head_dim, int values) {
+    const int bf16 = layer->held_bits == 16;
+    const char *held = (const char *)(values ? layer->held_values : layer->held_keys);
+    const float *answer = values ? layer->values : layer->keys;
+    return (kv_rows){held + kv * layer->held * head_dim * (bf16 ? 2 : 4), answer + kv * layer->capacity * head_dim,
+                     layer->held, bf16};
+}
+
+/* out (heads, head_dim) = softmax(query . K^T) @ V per query head over the layer's held rows and the answer's;
+ * query already scaled. scratch: attention_scratch floats. Each chunk of keys and of values is read from memory once
+ * for all the query heads of its KV head; the values' chunks give partial sums, added up at the end. */
+static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       const decoder_layer *layer, float *scratch, float *out, int threads) {
+    const int64_t tokens = layer->held + layer->filled;
     const int64_t group = heads / kv_heads, chunks = (tokens + CHUNK - 1) / CHUNK;
     float *scores = scratch;                   /* (heads, tokens) */
     float *partial = scratch + heads * tokens; /* (chunks, heads, head_dim) */
@@ -171,8 +271,9 @@ static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int6
         for (int64_t task = 0; task < kv_heads * chunks; task++) {
             const int64_t kv = task / chunks, first = (task % chunks) * CHUNK;
             const int64_t end = first + CHUNK < tokens ? first + CHUNK : tokens;
+            const kv_rows keys = layer_rows(layer, kv, head_dim, 0);
             for (int64_t h = kv * group; h < (kv + 1) * group; h++)
-                dot_keys(query + h * head_dim, keys + kv * head_stride, first, end, head_dim, scores + h * tokens);
+                dot_keys(query + h * head_dim, &keys, first, end, head_dim, scores + h * tokens);
         }
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < heads; h++) softmax_row(scores + h * tokens, tokens, NULL, 0);
@@ -180,18 +281,13 @@ static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int6
         for (int64_t task = 0; task < kv_heads * chunks; task++) {
             const int64_t kv = task / chunks, chunk = task % chunks, first = chunk * CHUNK;
             const int64_t end = first + CHUNK < tokens ? first + CHUNK : tokens;
+            const kv_rows values = layer_rows(layer, kv, head_dim, 1);
             for (int64_t block = 0; block * VALUE_ROWS < group; block++) {
                 const int64_t first_head = kv * group + block * VALUE_ROWS;
                 const int64_t live = group - block * VALUE_ROWS < VALUE_ROWS ? group - block * VALUE_ROWS : VALUE_ROWS;
                 const float *w[VALUE_ROWS];  /* rows past the group's last repeat its first; not stored */
                 for (int i = 0; i < VALUE_ROWS; i++) w[i] = scores + (first_head + (i < live ? i : 0)) * tokens;
-                float *target = partial + (chunk * heads + first_head) * head_dim;
-                const float *v = values + kv * head_stride + first * head_dim;
-                int64_t c = 0;
-                for (; c + 32 <= head_dim; c += 32)
-                    weigh_values(w, v + c, first, end, head_dim, 4, live, target + c, head_dim);
-                for (; c < head_dim; c += 8)
-                    weigh_values(w, v + c, first, end, head_dim, 1, live, target + c, head_dim);
+                weigh_chunk(w, &values, first, end, head_dim, live, partial + (chunk * heads + first_head) * head_dim);
             }
         }
 #pragma omp for schedule(static)
@@ -249,7 +345,7 @@ static int after_attention(const decoder_shape *shape, const decoder_layer *laye
 int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
                  const float *cos, const float *sin, int threads) {
     const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
-    if (d % 8 || kv_heads < 1 || heads % kv_heads) return -1;
+    if (d % 8 || d > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads) return -1;
     const int64_t n = shape->hidden, projected = (heads + 2 * kv_heads) * d;
     int64_t longest = 0;
     for (int64_t l = 0; l < layer_count; l++) {  /* everything checked before anything is written */
@@ -257,8 +353,9 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
         if (!fits(&layer->qkv, n, projected) || !fits(&layer->o, heads * d, n)
             || !fits(&layer->gate_up, n, 2 * shape->intermediate) || !fits(&layer->down, shape->intermediate, n))
             return -1;
+        if (layer->held_bits != 16 && layer->held_bits != 32) return -1;
         if (layer->filled >= layer->capacity) return -2;
-        longest = layer->filled + 1 > longest ? layer->filled + 1 : longest;
+        longest = layer->held + layer->filled + 1 > longest ? layer->held + layer->filled + 1 : longest;
     }
     const int64_t widest = projected > 2 * shape->intermediate ? projected : 2 * shape->intermediate;
     float *scratch = malloc(sizeof(float) * (size_t)(2 * n + widest + heads * d + shape->intermediate
@@ -283,8 +380,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
             memcpy(layer->values + h * head_stride + slot * d, value + h * d, sizeof(float) * (size_t)d);
         }
         layer->filled = slot + 1;
-        attend_one(query, heads, kv_heads, d, layer->keys, layer->values, head_stride, layer->filled, attention,
-                   attended, threads);
+        attend_one(query, heads, kv_heads, d, layer, attention, attended, threads);
         status = after_attention(shape, layer, 1, attended, hidden, added, normed, wide, activation, threads);
     }
     free(scratch);

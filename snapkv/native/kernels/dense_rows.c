@@ -20,19 +20,6 @@
 
 #define AHEAD 4  /* outputs ahead whose weights one output's product prefetches */
 
-/* 8 bf16 values as the 8 fp32 values they are. */
-static inline __m256 bf16_as_floats(const uint16_t *p) {
-#if defined(SNAPKV_PORTABLE)
-    uint32_t bits[8];
-    for (int i = 0; i < 8; i++) bits[i] = (uint32_t)p[i] << 16;
-    __m256 v;
-    memcpy(&v, bits, sizeof v);
-    return v;
-#else
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-#endif
-}
-
 /* y (n) = x (k) @ W^T, 8 floats a vector. */
 static void one_row(const float *x, int64_t k, const void *weight, int bf16, int64_t n, float *y, int threads) {
     const int64_t row_bytes = k * (bf16 ? 2 : 4);

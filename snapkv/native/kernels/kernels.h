@@ -34,7 +34,9 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;  /* (hidden) */
     block_matrix qkv, o, gate_up, down;
-    float *keys, *values;                 /* (kv_heads, capacity, head_dim) */
+    const void *held_keys, *held_values;  /* (kv_heads, held, head_dim): the cache as the question's pass left it */
+    int64_t held, held_bits;              /* its rows; 32: fp32, 16: bf16 */
+    float *keys, *values;                 /* (kv_heads, capacity, head_dim): the answer's own rows, fp32 */
     int64_t capacity, filled;
 } decoder_layer;
 

@@ -123,6 +123,19 @@ static inline void transpose_8x8(const float *src, int64_t src_stride, float *ds
 
 #endif
 
+/* 8 bf16 values as the 8 fp32 values they are. */
+static inline __m256 bf16_as_floats(const uint16_t *p) {
+#if defined(SNAPKV_PORTABLE)
+    uint32_t bits[8];
+    for (int i = 0; i < 8; i++) bits[i] = (uint32_t)p[i] << 16;
+    __m256 v;
+    memcpy(&v, bits, sizeof v);
+    return v;
+#else
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+#endif
+}
+
 /* Asks for the cache lines of [start, start + bytes) to be loaded (a hint: never faults, even past an end).
  * Always inlined: a call of it that GCC does not inline is found to have no effect and dropped. */
 __attribute__((always_inline)) static inline void prefetch_bytes(const void *start, int64_t bytes) {
