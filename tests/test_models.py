@@ -93,6 +93,24 @@ def test_auto_precision_on_a_cpu_with_bf16_units_is_fp32_weights_and_a_bf16_pref
     assert models.pick_precision("bfloat16", cpu, 300 << 20) == (torch.bfloat16, None)
     monkeypatch.setattr(models, "cpu_has_bf16_units", lambda: False)
     assert models.pick_precision("auto", cpu, 300 << 20) == (torch.float32, None)
+    assert models.pick_precision("auto", cpu, 5 << 30) == (torch.bfloat16, None)  # fp32 would take over half
+    monkeypatch.setattr(models, "memory_bytes", lambda: 0)  # memory unknown: fp32, as before
+    assert models.pick_precision("auto", cpu, 5 << 30) == (torch.float32, None)
+
+
+def test_bf16_units_count_only_where_pytorch_may_use_them(monkeypatch):
+    """ATEN_CPU_CAPABILITY=avx2 (PyTorch's kernels held to AVX2, as when measuring an AVX2 box) means no bf16 units,
+    whatever the CPU's flags say."""
+    from snapkv.engine import models
+
+    monkeypatch.setattr(models.Path, "read_text", lambda self, errors=None: "flags : fpu avx2 avx512f avx512_bf16")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert models.cpu_has_bf16_units()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert not models.cpu_has_bf16_units()
+    monkeypatch.setattr(models.Path, "read_text", lambda self, errors=None: "flags : fpu avx2 avx512f")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    assert not models.cpu_has_bf16_units()
 
 
 def test_a_bf16_prefill_over_fp32_weights_makes_an_fp32_cache_close_to_the_fp32_prefills(tiny_loaded):

@@ -140,12 +140,16 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def cpu_has_bf16_units() -> bool:
-    """True if the CPU multiplies bf16 natively (AMX or AVX512-BF16): Linux's /proc/cpuinfo flags."""
+    """True if the CPU multiplies bf16 natively (AMX or AVX512-BF16: Linux's /proc/cpuinfo flags) and PyTorch's kernels
+    may use them (its CPU capability AVX-512: ATEN_CPU_CAPABILITY=avx2, as when measuring what an AVX2 box does, says
+    no)."""
     try:
         flags = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
         return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    if "amx_bf16" not in flags and "avx512_bf16" not in flags:
+        return False
+    return torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
 
 
 def cpu_description() -> str:
@@ -182,11 +186,14 @@ def pick_precision(dtype: str, device: torch.device, weight_bytes: int) -> tuple
     auto on a CPU with bf16 units: fp32 weights, which the native decode reads (its 4/8-bit blocks, fp32 cache), with
     the prefill's matrix products in bf16, where those units make it 2.5-3x faster than fp32; bf16 throughout where
     fp32 weights (about weight_bytes, the files' size, times two) would take more than half of the machine's memory.
-    Any other choice: pick_dtype."""
-    if dtype == "auto" and device.type == "cpu" and cpu_has_bf16_units():
-        if 2 * weight_bytes > memory_bytes() // 2:
-            return torch.bfloat16, None
-        return torch.float32, torch.bfloat16
+    auto on another CPU: fp32 throughout, or bf16 weights where fp32 would take more than half the memory (where the
+    memory cannot be read, fp32). Any other choice: pick_dtype."""
+    if dtype == "auto" and device.type == "cpu":
+        memory = memory_bytes()
+        fp32_fits = 2 * weight_bytes <= memory // 2
+        if cpu_has_bf16_units():
+            return (torch.float32, torch.bfloat16) if fp32_fits else (torch.bfloat16, None)
+        return (torch.float32, None) if fp32_fits or memory == 0 else (torch.bfloat16, None)
     return pick_dtype(dtype, device), None
 
 
