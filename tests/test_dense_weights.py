@@ -3,7 +3,6 @@ product against a float64 reference, the fused rows, and a bf16 model's decode i
 weights in fp32."""
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -165,54 +164,6 @@ def test_a_bf16_models_answer_steps_natively_and_says_its_question_pass_was_torc
         assert (used.question, used.steps) == ("torch", "native") and len(tokens) == 6
         by_torch = list(answer(model, cache, ids(QUESTION, 2), per_question=cut, max_new_tokens=1, engine="torch"))
         assert tokens[:1] == by_torch
-
-
-def rounded_update(update, dtype: torch.dtype, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs):
-    """A cache layer's update with the new keys and values rounded to `dtype` (and back to theirs) first."""
-    return update(keys.to(dtype).to(keys.dtype), values.to(dtype).to(values.dtype), *args, **kwargs)
-
-
-def test_a_bf16_models_native_question_pass_is_its_fp32_twins_over_the_same_values(monkeypatch):
-    """Where the CPU has no bf16 units, a bf16 model's question pass is the native engine's: its rows in fp32 through
-    the C parts, its bf16 cache read widened, the question's keys and values stored rounded to bf16. Against the torch
-    pass of an fp32 twin over the same cache in fp32, its new rows rounded the same way: logits within fp32 rounding,
-    the same positions kept, the same cache (bf16 held, bf16 kept); answer() reports it and its first token is the
-    twin's."""
-    from snapkv.compression.compress import CompressionPlan
-    from snapkv.engine import engines, native_question, torch_question
-
-    model, twin = twins(torch.bfloat16)
-    cache = prefill(model, ids(PROMPT, 1), None)
-    question = ids(QUESTION, 2)
-    layers = native_decode.question_layers(model)
-    assert layers is not None
-    for cut in (None, Cut(64, 8)):
-        working, reference = cache.to_dynamic_cache(model.config), cache.to_dynamic_cache(twin.config)
-        for layer in reference.layers:
-            layer.keys, layer.values = layer.keys.float(), layer.values.float()
-            layer.update = functools.partial(rounded_update, layer.update, torch.bfloat16)
-        plans = [CompressionPlan(cut, window=QUESTION) if cut else None for _ in range(2)]
-        logits = native_question.question_pass(model, question, PROMPT, working, plans[0], layers)
-        expected = torch_question.question_pass(twin, question, PROMPT, reference, plans[1])
-        assert logits.dtype == torch.float32
-        assert torch.allclose(logits, expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
-        if cut:
-            assert all(torch.equal(plans[0].kept[i], plans[1].kept[i]) for i in plans[1].kept)
-        for native_layer, lean_layer in zip(working.layers, reference.layers):
-            assert native_layer.keys.dtype == torch.bfloat16 and native_layer.keys.shape == lean_layer.keys.shape
-            assert torch.allclose(native_layer.keys.float(), lean_layer.keys, rtol=2 ** -8, atol=1e-5)
-            assert torch.allclose(native_layer.values.float(), lean_layer.values, rtol=2 ** -8, atol=1e-5)
-    monkeypatch.setattr(engines, "cpu_has_bf16_units", lambda: False)
-    for cut in (None, Cut(64, 8)):
-        used = EngineUse()
-        tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=6, used=used))
-        assert (used.question, used.steps) == ("native", "native") and len(tokens) == 6
-        assert tokens[:1] == list(answer(twin, cache.to("cpu", torch.float32), question, per_question=cut,
-                                         max_new_tokens=1, engine="torch"))
-    monkeypatch.setattr(engines, "cpu_has_bf16_units", lambda: True)
-    used = EngineUse()
-    list(answer(model, cache, question, max_new_tokens=2, used=used))
-    assert used.question == "torch"  # PyTorch's bf16 products where the CPU has bf16 units
 
 
 def bf16_checkpoint_in_fp32():

@@ -74,8 +74,7 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     does not apply (nothing is changed then). query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim):
     the question's rows after RoPE (query, key), fp32."""
     method = plan.cut.method
-    if (not isinstance(layer, RestoringLayer) or layer.restored or layer.keys.dtype != torch.float32
-            or not isinstance(method, (SnapKV, Chunks))
+    if (not isinstance(layer, RestoringLayer) or layer.restored or not isinstance(method, (SnapKV, Chunks))
             or native.unavailable_reason() is not None or not native.kernels().wide_vectors(-1)):
         return None  # no 16-lane functions in use: in plain C (the avx2 and generic builds) the restored path is faster
     parts = _parts(layer.stored_keys, layer.stored_values)

@@ -9,9 +9,7 @@ or says it does not apply here (None) and the next engine in the order is asked.
                saved layer attended and cut from its codes: snapkv.engine.coded_attention), and each decoded token
                through every layer in one C call (snapkv.engine.native_decode: projections in 4/8-bit blocks, or plain
                bf16/fp32 rows, summed in fp32 on CPU); within fp32 rounding of the torch engine. A bf16 model's
-               question pass is the torch engine's on a CPU with bf16 units (PyTorch's bf16 products, through
-               oneDNN, measured 2x these fp32 sums for a question's rows there) and this engine's elsewhere (where
-               PyTorch's bf16 products were 2.6-3.3x slower than these)
+               question pass is the torch engine's
     compiled   decode steps by torch.compile over a static copy of the cache (snapkv.engine.compiled); its question
                pass is native's (or the next that applies)
 
@@ -30,7 +28,6 @@ from snapkv import native
 from snapkv.compression.compress import CompressionPlan, compressing
 from snapkv.compression.config import engine_setting
 from snapkv.engine import lean_decode, native_decode, native_question, torch_question
-from snapkv.engine.models import cpu_has_bf16_units
 from snapkv.modeling.presized import presize, presize_pays
 
 _ORDERS = {"auto": ("native", "torch", "reference"), "native": ("native", "torch", "reference"),
@@ -169,8 +166,8 @@ class Native(Engine):
     def question_pass(self, model, question_ids, start, working, plan):
         if native.unavailable_reason() is not None or not lean_decode.qualifies(model, working):
             return None
-        if model.dtype != torch.float32 and (model.dtype != torch.bfloat16 or cpu_has_bf16_units()):
-            return None  # a bf16 model on a CPU with bf16 units: PyTorch's bf16 products there are the faster
+        if model.dtype != torch.float32:  # a bf16 pass is the torch engine's: see docs/measurements.md, "A user's
+            return None  # bf16 checkpoint on CPU" (in fp32 through the C parts it kept fewer facts than in bf16)
         layers = native_decode.question_layers(model)  # None: the layers' parts stay PyTorch's
         return native_question.question_pass(model, question_ids.to(model_device(model)), start, working, plan,
                                              layers)

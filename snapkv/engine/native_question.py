@@ -1,10 +1,8 @@
 """The native engine's question pass: the torch engine's (snapkv.engine.torch_question) with each layer's parts around
-its attention in C where the model's projections are 4/8-bit blocks or plain bf16/fp32 rows
-(snapkv.engine.native_decode.QuestionLayers: the same formulas summed in fp32 in another order, logits within rounding),
-and each cut layer of a deferred cache attended and cut straight from its codes (snapkv.engine.coded_attention, within
-rounding of restoring it first) rather than restored whole; where either does not apply, the torch engine's part or
-attention. A bf16 model's rows go through the C parts in fp32 (its bf16 cache read widened, the question's keys and
-values stored rounded to bf16: torch_question.attend_over_cache).
+its attention in C where the model's projections are 4/8-bit blocks (snapkv.engine.native_decode.QuestionLayers: the
+same formulas summed in another order, logits within rounding), and each cut layer of a deferred cache attended and cut
+straight from its codes (snapkv.engine.coded_attention, within rounding of restoring it first) rather than restored
+whole; where either does not apply, the torch engine's part or attention.
 """
 
 from contextlib import nullcontext
@@ -25,8 +23,7 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
     inner = model.model
     parts = layers if layers is not None else LayerParts(model)
     rows = question_ids.shape[0]
-    hidden = inner.embed_tokens(question_ids.unsqueeze(0))  # (1, q, hidden): its own, written in place
-    hidden = (hidden.float() if layers is not None else hidden).contiguous()  # the C parts read and write fp32
+    hidden = inner.embed_tokens(question_ids.unsqueeze(0)).contiguous()  # (1, q, hidden): its own, written in place
     cos, sin = inner.rotary_emb(hidden, torch.arange(start, start + rows).unsqueeze(0))  # (1, q, head_dim) each
     mask = question_mask(rows, cache.get_seq_length())
     with capturing(model, plan.window) if plan is not None else nullcontext(()) as cut_modules:

@@ -80,19 +80,13 @@ class LayerParts:
 def attend_over_cache(model, attention, parts: tuple[torch.Tensor, ...], cache: DynamicCache, mask: torch.Tensor,
                       plan: CompressionPlan | None, cut: bool, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """A layer's attention over its cache with the question's key and value appended, the layer then cut by the plan
-    where `cut` (as the hook cuts it): its output (1, q, heads * head_dim). parts: LayerParts.before's.
-
-    Rows in fp32 over a cache held in bf16 (the native pass of a bf16 model, snapkv.engine.native_question): the
-    question's keys and values are stored as the cache holds them (rounded to bf16, as the model's own pass stores
-    them), and this layer's attention reads the cache widened to fp32 (exactly; a copy of this one layer)."""
+    where `cut` (as the hook cuts it): its output (1, q, heads * head_dim). parts: LayerParts.before's."""
     normed, query, key, value = parts
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    held = cache.layers[attention.layer_idx].keys.dtype
-    keys, values = cache.update(key.to(held), value.to(held), attention.layer_idx)
-    output, _ = attend(attention, query, keys.to(query.dtype), values.to(query.dtype), mask, dropout=0.0,
-                       scaling=attention.scaling)
-    if cut:  # its window's queries, where made again, by the model's projection: in the model's dtype
-        cut_layer(plan, attention, normed.to(model.dtype), cache, angles)
+    keys, values = cache.update(key, value, attention.layer_idx)
+    output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
+    if cut:
+        cut_layer(plan, attention, normed, cache, angles)
     return output.reshape(1, query.shape[2], -1)
 
 
