@@ -124,7 +124,8 @@ def test_a_bf16_cache_read_where_it_is_gives_the_logits_of_its_fp32_copy_to_the_
         layer.keys, layer.values = layer.keys.float(), layer.values.float()
     by_bf16 = native_decode.for_cache(model, in_bf16, PROMPT + QUESTION, 8)
     by_fp32 = native_decode.for_cache(model, in_fp32, PROMPT + QUESTION, 8)
-    assert {layer.held_bits for layer in by_bf16._layers} == {16} and {layer.held_bits for layer in by_fp32._layers} == {32}
+    assert {layer.held_bits for layer in by_bf16._layers} == {16}
+    assert {layer.held_bits for layer in by_fp32._layers} == {32}
     for step, token in enumerate([5, 17, 99, 3, 250, 7, 8, 9]):
         position = PROMPT + QUESTION + step
         assert torch.equal(by_bf16.step(token, position), by_fp32.step(token, position))

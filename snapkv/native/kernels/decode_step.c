@@ -18,8 +18,8 @@
  * The cache: per layer, the rows the question's pass left, read where they are (held_keys, held_values: (kv_heads,
  * held, head_dim), fp32 or bf16, bf16 widened exactly: no copy of a cache in memory), then the answer's own rows in
  * fp32 buffers (keys, values: (kv_heads, capacity, head_dim), rows [0, filled) written). When any layer is full
- * nothing is written and -2 is returned (the caller hands over to other steps); -1, also before anything is written, for
- * a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
+ * nothing is written and -2 is returned (the caller hands over to other steps); -1, also before anything is
+ * written, for a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
  * OpenMP threads inside each product and the attention. head_dim a multiple of 8, at most 512. */
 #include "vectors.h"
 #include <math.h>
@@ -221,16 +221,17 @@ __attribute__((always_inline)) static inline void weigh_values(const float *cons
  * query heads (w), into target: 32 channels at a time, then 8 (head_dim a multiple of 8). */
 static void weigh_chunk(const float *const w[VALUE_ROWS], const kv_rows *values, int64_t first, int64_t end,
                         int64_t head_dim, int64_t live, float *target) {
-    const int64_t held = values->held_rows, held_end = end < held ? end : held, answer_first = first > held ? first : held;
-    const int64_t held_bytes = values->bf16 ? 2 : 4;
+    const int64_t held = values->held_rows, held_bytes = values->bf16 ? 2 : 4;
+    const int64_t held_end = end < held ? end : held, answer_first = first > held ? first : held;
     for (int64_t c = 0; c < head_dim;) {
         const int blocks = c + 32 <= head_dim ? 4 : 1;
         if (first < held_end) {
             const void *v = (const char *)values->held + (first * head_dim + c) * held_bytes;
-            if (values->bf16 && blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, target + c, head_dim, 1, 0);
-            else if (values->bf16) weigh_values(w, v, first, held_end, head_dim, 1, live, target + c, head_dim, 1, 0);
-            else if (blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, target + c, head_dim, 0, 0);
-            else weigh_values(w, v, first, held_end, head_dim, 1, live, target + c, head_dim, 0, 0);
+            float *out = target + c;
+            if (values->bf16 && blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, out, head_dim, 1, 0);
+            else if (values->bf16) weigh_values(w, v, first, held_end, head_dim, 1, live, out, head_dim, 1, 0);
+            else if (blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, out, head_dim, 0, 0);
+            else weigh_values(w, v, first, held_end, head_dim, 1, live, out, head_dim, 0, 0);
         }
         if (answer_first < end) {
             const float *v = values->answer + (answer_first - held) * head_dim + c;
