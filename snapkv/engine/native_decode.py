@@ -233,6 +233,8 @@ def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | 
     if found is None:
         return None
     kv_heads, head_dim = model.config.num_key_value_heads, found.shape.head_dim
+    if head_dim > native.limit("snapkv_max_decode_head_dim"):
+        return None
     held = [_held_rows(layer, kv_heads, head_dim) for layer in cache.layers]
     if any(rows is None for rows in held):
         return None

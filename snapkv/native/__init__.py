@@ -117,7 +117,8 @@ BINDINGS: dict[str, tuple[object, tuple]] = {
     "part_columns": (None, (_pointer, _size, _size, _pointer)),
     "half_all_finite": (_int, (_pointer, _pointer, _size)),
 }
-LIMITS = ("snapkv_max_rows", "snapkv_max_attention_head_dim", "snapkv_max_stored_head_dim", "snapkv_max_parts")
+LIMITS = ("snapkv_max_rows", "snapkv_max_attention_head_dim", "snapkv_max_stored_head_dim", "snapkv_max_parts",
+          "snapkv_max_decode_head_dim")
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:

@@ -19,8 +19,9 @@
  * held, head_dim), fp32 or bf16, bf16 widened exactly: no copy of a cache in memory), then the answer's own rows in
  * fp32 buffers (keys, values: (kv_heads, capacity, head_dim), rows [0, filled) written). When any layer is full
  * nothing is written and -2 is returned (the caller hands over to other steps); -1, also before anything is
- * written, for a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over `threads`
- * OpenMP threads inside each product and the attention. head_dim a multiple of 8, at most 512. */
+ * written, for a matrix of another shape or form; -1 past that only when memory runs out. Work is spread over
+ * `threads` OpenMP threads inside each product and the attention. head_dim a multiple of 8, at most
+ * SNAPKV_MAX_DECODE_HEAD_DIM. */
 #include "vectors.h"
 #include <math.h>
 #include <stdint.h>
@@ -30,9 +31,9 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: plain bf16/fp32 rows by snapkv/native/kernels/dense_rows.c; blocks
- * by the block kernel for one row (snapkv/native/kernels/blockwise_matmul.c), by snapkv/native/kernels/few_rows.c's for a
- * question's rows. */
+/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: plain bf16/fp32 rows by snapkv/native/kernels/dense_rows.c;
+ * blocks by the block kernel for one row (snapkv/native/kernels/blockwise_matmul.c), by
+ * snapkv/native/kernels/few_rows.c's for a question's rows. */
 static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
     if (m->bits == 16 || m->bits == 32) return matmul_dense(x, rows, m->inputs, m->codes, m->bits == 16, m->outputs, y,
                                                             threads);
@@ -98,8 +99,7 @@ static inline __m256 eight_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m2
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-#define ROWS_AHEAD 8     /* keys or values ahead of the one read that the attention prefetches */
-#define MAX_HEAD_DIM 512  /* the widest head taken (8 keys straddling the two parts are widened on the stack) */
+#define ROWS_AHEAD 8  /* keys or values ahead of the one read that the attention prefetches */
 
 /* One KV head's keys or values as the attention reads them: rows [0, held_rows) where the question's pass left
  * them (the cache, fp32 or bf16: no copy), rows from held_rows on from the answer's own fp32 buffer. */
@@ -122,10 +122,7 @@ static void row_as_floats(const kv_rows *rows, int64_t t, int64_t head_dim, floa
         memcpy(out, rows->answer + (t - rows->held_rows) * head_dim, sizeof(float) * (size_t)head_dim);
     } else if (rows->bf16) {
         const uint16_t *row = (const uint16_t *)rows->held + t * head_dim;
-        for (int64_t c = 0; c < head_dim; c++) {
-            const uint32_t bits = (uint32_t)row[c] << 16;
-            memcpy(out + c, &bits, sizeof bits);
-        }
+        for (int64_t c = 0; c < head_dim; c += 8) _mm256_storeu_ps(out + c, bf16_as_floats(row + c));
     } else {
         memcpy(out, (const float *)rows->held + t * head_dim, sizeof(float) * (size_t)head_dim);
     }
@@ -175,7 +172,7 @@ static void dot_keys(const float *query, const kv_rows *keys, int64_t first, int
             eight = keys->bf16 ? eight_scores(query, keys->held, t * head_dim, head_dim, 1)
                                : eight_scores(query, keys->held, t * head_dim, head_dim, 0);
         } else {  /* the 8 keys where the cache's rows end and the answer's begin */
-            float rows[8 * MAX_HEAD_DIM];
+            float rows[8 * SNAPKV_MAX_DECODE_HEAD_DIM];
             for (int r = 0; r < 8; r++) row_as_floats(keys, t + r, head_dim, rows + r * head_dim);
             eight = eight_scores(query, rows, 0, head_dim, 0);
         }
@@ -228,7 +225,8 @@ static void weigh_chunk(const float *const w[VALUE_ROWS], const kv_rows *values,
         if (first < held_end) {
             const void *v = (const char *)values->held + (first * head_dim + c) * held_bytes;
             float *out = target + c;
-            if (values->bf16 && blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, out, head_dim, 1, 0);
+            if (values->bf16 && blocks == 4)
+                weigh_values(w, v, first, held_end, head_dim, 4, live, out, head_dim, 1, 0);
             else if (values->bf16) weigh_values(w, v, first, held_end, head_dim, 1, live, out, head_dim, 1, 0);
             else if (blocks == 4) weigh_values(w, v, first, held_end, head_dim, 4, live, out, head_dim, 0, 0);
             else weigh_values(w, v, first, held_end, head_dim, 1, live, out, head_dim, 0, 0);
@@ -346,7 +344,7 @@ static int after_attention(const decoder_shape *shape, const decoder_layer *laye
 int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
                  const float *cos, const float *sin, int threads) {
     const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
-    if (d % 8 || d > MAX_HEAD_DIM || kv_heads < 1 || heads % kv_heads) return -1;
+    if (d % 8 || d > SNAPKV_MAX_DECODE_HEAD_DIM || kv_heads < 1 || heads % kv_heads) return -1;
     const int64_t n = shape->hidden, projected = (heads + 2 * kv_heads) * d;
     int64_t longest = 0;
     for (int64_t l = 0; l < layer_count; l++) {  /* everything checked before anything is written */

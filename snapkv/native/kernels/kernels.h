@@ -15,7 +15,9 @@
 #define SNAPKV_MAX_ATTENTION_HEAD_DIM 256   /* head_dim of the attention kernels' register tiles */
 #define SNAPKV_MAX_STORED_HEAD_DIM 1024     /* head_dim a saved cache's rows are restored at */
 #define SNAPKV_MAX_PARTS 2                  /* parts of a saved layer (a sharper share and the rest) */
-extern const int64_t snapkv_max_rows, snapkv_max_attention_head_dim, snapkv_max_stored_head_dim, snapkv_max_parts;
+#define SNAPKV_MAX_DECODE_HEAD_DIM 512      /* head_dim of the decode step (8 keys widened on its stack) */
+extern const int64_t snapkv_max_rows, snapkv_max_attention_head_dim, snapkv_max_stored_head_dim, snapkv_max_parts,
+    snapkv_max_decode_head_dim;
 
 /* ---- the build (library.c) ---- */
 const char *kernel_variant(void);  /* "avx512", "avx2" or "generic" */

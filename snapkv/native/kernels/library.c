@@ -9,6 +9,7 @@ const int64_t snapkv_max_rows = SNAPKV_MAX_ROWS;
 const int64_t snapkv_max_attention_head_dim = SNAPKV_MAX_ATTENTION_HEAD_DIM;
 const int64_t snapkv_max_stored_head_dim = SNAPKV_MAX_STORED_HEAD_DIM;
 const int64_t snapkv_max_parts = SNAPKV_MAX_PARTS;
+const int64_t snapkv_max_decode_head_dim = SNAPKV_MAX_DECODE_HEAD_DIM;
 
 const char *kernel_variant(void) { return SNAPKV_VARIANT; }
 
