@@ -31,6 +31,7 @@ def _table(result):
         method = row.method + ("-qa" if row.query_aware else "") + (f" chunks {row.prefill_chunk}"
                                                                      if row.prefill_chunk else "")
         tier = f" ({row.tier_seconds:.2f})" if row.tier_seconds >= 0.005 else ""
+        tier += ", shared" if row.prefill_shared else ""
         table.add_row(str(row.length), method, str(row.budget or "-"), f"{row.prefill_seconds:.2f}{tier}",
                       f"{row.ttft_seconds:.3f}", f"{row.decode_ms_per_token:.1f}",
                       f"{row.floor_ms_per_token:.1f} ({row.above_floor:.1f}x)", f"{row.kv_bytes / 2**20:.1f}",

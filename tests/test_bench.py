@@ -50,6 +50,10 @@ def test_random_weights_bench_json_and_plot(home, tmp_path):
         assert row["floor_ms_per_token"] == pytest.approx(expected_floor)
         assert row["above_floor"] == pytest.approx(row["decode_ms_per_token"] / expected_floor)
     assert full["floor_ms_per_token"] > small["floor_ms_per_token"]
+    # the query-aware tiers are made from the full row's prefill, the same forward pass, timed once
+    assert [row["prefill_shared"] for row in rows] == [False, True, True] * 2
+    assert all(row["prefill_seconds"] >= rows[3 * (i // 3)]["prefill_seconds"] - rows[3 * (i // 3)]["tier_seconds"]
+               for i, row in enumerate(rows))
     follow = data["followup"]
     assert follow["length"] == 1200 and follow["speedup"] > 0
     # the round of median total is the one reported
@@ -128,6 +132,43 @@ def test_a_length_too_long_for_the_exact_prefill_gets_snapkv_in_chunks_and_the_f
     for length in (600, 1200):
         said = [line for line in progress if f"Prefilling {length} tokens, SnapKV at 128 in chunks of 256" in line]
         assert len(said) >= 3 and said[-1].startswith("snapkv: ") and "100% done (" in said[-1], progress
+
+
+def test_a_tier_made_after_the_prefill_takes_the_full_rows_prefill_and_is_the_cache_its_own_would_make(home):
+    """The query-aware tiers (the whole prompt in 8 bits, a share chosen by probes) start from the forward pass the
+    full cache's row ran: the bench times it once and makes each tier from it, the same cache, bit for bit, as that
+    tier's own prefill gives; a cut during the prefill is prefilled."""
+    from dataclasses import replace
+
+    import torch
+
+    from snapkv.compression.config import DEFAULTS
+    from snapkv.engine.models import random_weights_model
+    from snapkv.io.documents import Document
+    from snapkv.io.haystack import build_haystack, filler_text
+    from snapkv.measure.bench import NEEDLE_NUMBER, _prepare
+    from snapkv.session import Session
+
+    loaded = random_weights_model(str(TINY_SHAPE))
+    document = Document(build_haystack(loaded.tokenizer, filler_text(), 600, 0.5, NEEDLE_NUMBER).text)
+    said = []
+    whole, shared = _prepare(Session(loaded, None, allow_extrapolation=True), document, 600, None, said.append)
+    assert not shared and whole.prefill_seconds > 0 and "Prefilling 600 tokens, full cache" in said[0]
+    for settings, from_full in ((replace(DEFAULTS, budget=128), True),
+                                (replace(DEFAULTS, budget=128, store_keep=0.5, store_bits="16/8"), True),
+                                (replace(DEFAULTS, budget=128, query_aware=False), False)):
+        session = Session(loaded, settings, allow_extrapolation=True)
+        made, shared = _prepare(session, document, 600, whole, said.append)
+        own = session.prepare(session.prompt(document, max_tokens=600))
+        assert shared is from_full and made.tier == own.tier and made.per_question == own.per_question
+        assert made.cache.kept_tokens == own.cache.kept_tokens
+        for mine, theirs in ((made.cache.keys, own.cache.keys), (made.cache.values, own.cache.values),
+                             (made.cache.positions, own.cache.positions)):
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+        if shared:  # the full row's prefill counted, then its own tier
+            assert made.prefill_seconds == pytest.approx(whole.prefill_seconds - whole.tier_seconds
+                                                         + made.tier_seconds)
+            assert made.prefill_peak_bytes >= whole.prefill_peak_bytes and "the same forward pass" in said[-1]
 
 
 def test_fit_growth_recovers_the_exponent():

@@ -14,7 +14,7 @@ from snapkv.engine import lean_decode, native_decode
 from snapkv.engine.engines import EngineUse
 from snapkv.engine.generation import answer, prefill, run_forward
 from snapkv.modeling.dense_weights import Bf16Linear, dense_matmul, fuse_dense, fused_dense, narrow_exact_bf16
-from snapkv.modeling.presized import PresizedLayer, presize
+from snapkv.modeling.presized import presize
 
 from conftest import build_tiny
 

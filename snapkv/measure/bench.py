@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import torch
+
 from snapkv.base.errors import ConfigError, OutOfMemoryError
 from snapkv.compression.config import DEFAULTS, SnapKVConfig
 from snapkv.engine.memory import check_prefill_fits
@@ -22,6 +24,8 @@ from snapkv.modeling.architectures import text_config
 from snapkv.session import AnswerResult, PreparedDocument, Session
 
 NEEDLE_NUMBER = "48613"
+SHARED_NOTE = ("a SnapKV row marked prefill_shared (\"shared\" in the table) made its stored tier from the full cache's "
+               "prefill, the same forward pass timed once: its prefill seconds are that pass's and its own tier's")
 
 
 @dataclass
@@ -46,6 +50,8 @@ class BenchRow:
     estimated: bool = False     # not run: the exact prefill would take too long or not fit; prefill_seconds is
                                 # its estimate, the other measurements 0
     engine: dict = field(default_factory=dict)  # what answered (snapkv.engine.engines.EngineUse.as_json)
+    prefill_shared: bool = False  # the prefill was the full cache's row's (the same forward pass, timed once);
+                                  # tier_seconds this row's own (snapkv.measure.bench._prepare)
 
     @property
     def above_floor(self) -> float:
@@ -121,7 +127,8 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
               prefill_chunk: int = 4096, engine: str | None = None) -> BenchResult:
     """For each length: the full cache and SnapKV (`settings` at each budget), in this one process.
 
-    Each method is prefilled once; then the answers (first token and decode) are timed `repeats` times,
+    Each method is prefilled once (a stored tier made after the prefill, as the query-aware default's, from the full
+    cache's own forward pass: _prepare); then the answers (first token and decode) are timed `repeats` times,
     taking the methods in turn each round, and the medians reported, so that a slow spell on a shared
     machine does not land on one method only. A short warm-up prefill comes first, and times the machine's
     prefill rate: a length whose exact prefill is estimated past `max_prefill_seconds`, or does not fit in
@@ -167,18 +174,24 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
                 f"{length} tokens: the exact prefill would take about {rate.exact_seconds(length):.0f} s "
                 f"(over --max-prefill-seconds {max_prefill_seconds:g}) or not fit in memory; SnapKV is "
                 f"prefilled in chunks of {prefill_chunk} tokens and the full cache's row is that estimate")
-        prepared = [session.prepare(session.prompt(document, max_tokens=length), measure=True,
-                                    on_layer=_tenths(on_progress, f"Prefilling {length} tokens, {_label(session)}"))
-                    if session else None for session in active]
+        prepared: list[PreparedDocument | None] = []
+        shared: list[bool] = []  # per method: its prefill was the full cache's row's
+        for session in active:
+            made, from_full = _prepare(session, document, length, prepared[0] if prepared else None, on_progress)
+            prepared.append(made)
+            shared.append(from_full)
         answers: list[list[AnswerResult]] = [[] for _ in active]
         for _ in range(repeats):
             for index, session in enumerate(active):
                 if session is not None:
                     answers[index].append(_answer(session, prepared[index], decode_tokens))
-        for session, prepared_one, answered in zip(active, prepared, answers):
+        for session, prepared_one, answered, from_full in zip(active, prepared, answers, shared):
             row = (_row(session, prepared_one, answered, meaningful, result) if session is not None
                    else BenchRow(length, "full", None, False, rate.exact_seconds(length), 0.0, 0.0, 0, 0, None,
                                  estimated=True))
+            row.prefill_shared = from_full
+            if from_full and SHARED_NOTE not in result.notes:
+                result.notes.append(SHARED_NOTE)
             row.exact_estimate_seconds = rate.exact_seconds(length)
             result.rows.append(row)
             if on_row:
@@ -187,6 +200,33 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
             result.followup = _followup(sessions[1], prepared[1], prepared[0].prefill_seconds)
     result.growth = fit_growth(result.rows)
     return result
+
+
+def _prepare(session: Session | None, document: Document, length: int, whole: PreparedDocument | None,
+             on_progress: Callable[[str], None] | None) -> tuple[PreparedDocument | None, bool]:
+    """A method's cache of `document` at `length` tokens, and whether its prefill was the full cache's row's.
+
+    A stored tier chosen after the prefill (the query-aware default: the whole prompt in fewer bits, or a share of it
+    chosen by probes) starts from the very forward pass the full cache's row (`whole`) ran: that prefill is timed once,
+    its seconds and peak counted in this row as well, and the tier is made from its 16-bit cache as
+    snapkv.engine.tiers.build_tier makes it from its own prefill's (Session.derive), timed on its own (tier_seconds).
+    Anything else (a cut during the prefill, in chunks or not) is prefilled."""
+    if session is None:
+        return None, False
+    prompt = session.prompt(document, max_tokens=length)
+    if (whole is not None and session.settings is not None and session.plan.during_prefill is None
+            and torch.equal(whole.cache.token_ids, prompt.ids)):
+        if on_progress is not None:
+            on_progress(f"{_label(session)}: its tier from the full cache's prefill of {length} tokens (the same "
+                        "forward pass)...")
+        derived = session.derive(whole, measure=True)
+        prefill_alone = whole.prefill_seconds - whole.tier_seconds
+        # its own prefill would hold the prefill's peak, then its whole cache while the tier is made
+        peak = max(whole.prefill_peak_bytes, whole.cache.kv_bytes + derived.prefill_peak_bytes)
+        return replace(derived, document=prompt.document, prefill_seconds=prefill_alone + derived.tier_seconds,
+                       prefill_peak_bytes=peak), True
+    return session.prepare(prompt, measure=True,
+                           on_layer=_tenths(on_progress, f"Prefilling {length} tokens, {_label(session)}")), False
 
 
 def _label(session: Session) -> str:
