@@ -528,43 +528,6 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
         assert calls == [1]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_prompt_blocks_bool_mask_reaches_sdpa_once_made_additive_with_the_same_bits(dtype, monkeypatch):
-    """A block of prompt rows over earlier positions (a prefill in chunks, or after a saved prefix) goes to sdpa with
-    transformers' bool mask; snapkv.modeling.cpu_attention hands sdpa that mask's additive form, made once for all
-    the layers that share the mask, and sdpa's output is the same bits as with the bool mask."""
-    import gc
-
-    from transformers.integrations import sdpa_attention
-
-    from snapkv.modeling import cpu_attention
-
-    torch.manual_seed(1)
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 3, True
-    rows = cpu_attention.SHORT_QUERY + 30  # a prompt block: more rows than a question
-    query = torch.randn(1, 6, rows, 16, dtype=dtype)
-    key, value = torch.randn(1, 2, 200, 16, dtype=dtype), torch.randn(1, 2, 200, 16, dtype=dtype)
-    mask = torch.ones(rows, 200, dtype=torch.bool).tril(diagonal=200 - rows).expand(1, 1, rows, 200)
-    expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.25)
-    made = []
-    real_additive = cpu_attention._additive
-    monkeypatch.setattr(cpu_attention, "_additive", lambda *a: made.append(real_additive(*a)) or made[-1])
-    masks_seen = []
-    real_sdpa = cpu_attention.sdpa_attention_forward
-    monkeypatch.setattr(cpu_attention, "sdpa_attention_forward",
-                        lambda m, q, k, v, given, **kw: masks_seen.append(given) or real_sdpa(m, q, k, v, given, **kw))
-    for _ in range(3):  # three layers of one forward: one mask
-        found, _ = cpu_attention.attention_forward(module, query, key, value, mask, scaling=0.25)
-        assert torch.equal(found, expected)
-    assert all(given.dtype == dtype for given in masks_seen) and masks_seen[0] is masks_seen[1] is masks_seen[2]
-    assert torch.equal(masks_seen[0] == 0, mask) and bool((masks_seen[0][~mask] == float("-inf")).all())
-    masks_seen.clear()
-    del mask
-    gc.collect()
-    assert cpu_attention._last_additive[2] is None  # the additive form goes with the forward's mask
-
-
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
 @pytest.mark.parametrize("kv_heads, group, rows, keys, head_dim", [(3, 3, 18, 517, 64), (2, 4, 7, 100, 128),
                                                                    (1, 1, 2, 33, 16), (4, 2, 13, 16, 32)])

@@ -74,7 +74,6 @@ def estimate_prefill(config, tokens: int, dtype: torch.dtype, tier: Cut | None,
                        + 2 * shape["heads"] * shape["head_dim"])  # queries and the attention result
         + min(step, chunk_tokens) * item * 3 * shape["intermediate"]  # gate, up, product: one MLP slice
         + 4 * window * held * shape["heads"] * 2           # fp32 window scores and their pooled copy
-        + (step * held * (1 + item) if held > step else 0)  # a chunk's mask over earlier positions, bool and additive
     )
     return PrefillEstimate(tokens, kv, full_layer, activations, SLACK.get(device_type, SLACK["cpu"]))
 

@@ -93,27 +93,6 @@ def _version_of(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
 
 
-def _additive(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """attention_mask (batch, 1, q, n) bool as sdpa's own conversion makes it, 0 where attended and -inf elsewhere,
-    made once for all the layers of a forward: sdpa converts a bool mask again in every layer, which was a third of
-    a prefill chunk over earlier positions on a 2-core CPU with AVX2 (4096 rows by 8192 keys: 10.4 of 31 s). The
-    same numbers reach the kernel, so the attention is the same bits. Held while the mask lives (a forward)."""
-    source, held_dtype, additive = _last_additive
-    if source() is attention_mask and held_dtype == dtype:
-        return additive
-    additive = torch.zeros(attention_mask.shape, dtype=dtype).masked_fill_(~attention_mask, float("-inf"))
-
-    def forget(gone: weakref.ref) -> None:  # the mask's forward is over: its additive form goes with it
-        if _last_additive[0] is gone:
-            _last_additive[:] = [lambda: None, None, None]
-
-    _last_additive[:] = [weakref.ref(attention_mask, forget), dtype, additive]
-    return additive
-
-
-_last_additive: list = [lambda: None, None, None]  # _additive's memory: a weak reference to the mask, the dtype, the answer
-
-
 def _apply_mask(scores: torch.Tensor, attention_mask: torch.Tensor) -> None:
     """In place: scores (batch, kv_heads, group, q, n) masked by attention_mask (batch, 1, q, n), True / 0
     where attended. Where every row attends to all of the first n - q keys, only the last q columns are touched."""
@@ -169,8 +148,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     head_dim); attention_mask (batch, 1, q, n) or None. Returns (batch, q, heads, head_dim), as
     sdpa_attention_forward does."""
     if not _plain_decode(query, key, attention_mask, dropout, kwargs):
-        if attention_mask is not None and attention_mask.dtype == torch.bool and query.device.type == "cpu":
-            attention_mask = _additive(attention_mask, query.dtype)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     batch, heads, rows, head_dim = query.shape
