@@ -52,8 +52,7 @@ def test_random_weights_bench_json_and_plot(home, tmp_path):
     assert full["floor_ms_per_token"] > small["floor_ms_per_token"]
     # the query-aware tiers are made from the full row's prefill, the same forward pass, timed once
     assert [row["prefill_shared"] for row in rows] == [False, True, True] * 2
-    assert all(row["prefill_seconds"] >= rows[3 * (i // 3)]["prefill_seconds"] - rows[3 * (i // 3)]["tier_seconds"]
-               for i, row in enumerate(rows))
+    assert all(row["prefill_seconds"] > rows[3 * (i // 3)]["prefill_seconds"] for i, row in enumerate(rows) if i % 3)
     follow = data["followup"]
     assert follow["length"] == 1200 and follow["speedup"] > 0
     # the round of median total is the one reported
@@ -165,9 +164,10 @@ def test_a_tier_made_after_the_prefill_takes_the_full_rows_prefill_and_is_the_ca
         for mine, theirs in ((made.cache.keys, own.cache.keys), (made.cache.values, own.cache.values),
                              (made.cache.positions, own.cache.positions)):
             assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
-        if shared:  # the full row's prefill counted, then its own tier
-            assert made.prefill_seconds == pytest.approx(whole.prefill_seconds - whole.tier_seconds
-                                                         + made.tier_seconds)
+        if shared:  # the full row's prefill (with its rounding to 16 bits) counted, then its own tier
+            assert made.prefill_seconds - made.tier_seconds == pytest.approx(whole.prefill_seconds
+                                                                             - whole.tier_seconds)
+            assert made.tier_seconds > whole.tier_seconds
             assert made.prefill_peak_bytes >= whole.prefill_peak_bytes and "the same forward pass" in said[-1]
 
 

@@ -208,8 +208,8 @@ def _prepare(session: Session | None, document: Document, length: int, whole: Pr
 
     A stored tier chosen after the prefill (the query-aware default: the whole prompt in fewer bits, or a share of it
     chosen by probes) starts from the very forward pass the full cache's row (`whole`) ran: that prefill is timed once,
-    its seconds and peak counted in this row as well, and the tier is made from its 16-bit cache as
-    snapkv.engine.tiers.build_tier makes it from its own prefill's (Session.derive), timed on its own (tier_seconds).
+    its seconds (with its rounding to 16 bits) and peak counted in this row as well, and the tier is made from its
+    16-bit cache as snapkv.engine.tiers.build_tier makes it from its own prefill's (Session.derive), timed and added.
     Anything else (a cut during the prefill, in chunks or not) is prefilled."""
     if session is None:
         return None, False
@@ -220,11 +220,11 @@ def _prepare(session: Session | None, document: Document, length: int, whole: Pr
             on_progress(f"{_label(session)}: its tier from the full cache's prefill of {length} tokens (the same "
                         "forward pass)...")
         derived = session.derive(whole, measure=True)
-        prefill_alone = whole.prefill_seconds - whole.tier_seconds
-        # its own prefill would hold the prefill's peak, then its whole cache while the tier is made
+        # its own prefill rounds the pass's cache to 16 bits too (the full row's tier), then makes its tier from that;
+        # it would hold the pass's peak, then its whole cache while the tier is made
         peak = max(whole.prefill_peak_bytes, whole.cache.kv_bytes + derived.prefill_peak_bytes)
-        return replace(derived, document=prompt.document, prefill_seconds=prefill_alone + derived.tier_seconds,
-                       prefill_peak_bytes=peak), True
+        return replace(derived, document=prompt.document, prefill_seconds=whole.prefill_seconds + derived.tier_seconds,
+                       tier_seconds=whole.tier_seconds + derived.tier_seconds, prefill_peak_bytes=peak), True
     return session.prepare(prompt, measure=True,
                            on_layer=_tenths(on_progress, f"Prefilling {length} tokens, {_label(session)}")), False
 
