@@ -528,6 +528,55 @@ def test_cpu_decode_attention_matches_sdpa_and_handles_masks(monkeypatch):
         assert calls == [1]
 
 
+@pytest.mark.parametrize("kv_heads, group, earlier, rows", [(3, 3, 700, 300), (2, 2, 65, 66), (1, 4, 1, 100)])
+def test_a_prompt_block_after_its_cache_is_sdpas_result_from_two_unmasked_calls(kv_heads, group, earlier, rows,
+                                                                                 monkeypatch):
+    """A prompt's block in fp32 after the cache it extends (a chunk of a chunked prefill, a prompt after its saved
+    prefix) is attended without its mask: the earlier keys and the block's own keys (causally) apart, joined by their
+    log-sum-exps; sdpa's result to fp32 rounding. Any other mask, bf16, autocast or a batch goes to sdpa."""
+    from transformers.integrations import sdpa_attention
+
+    from snapkv.modeling import cpu_attention
+
+    torch.manual_seed(rows)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = group, True
+    query = torch.randn(1, kv_heads * group, rows, 32)
+    key, value = torch.randn(1, kv_heads, earlier + rows, 32) * 2, torch.randn(1, kv_heads, earlier + rows, 32)
+    causal = torch.ones(rows, earlier + rows, dtype=torch.bool).tril(diagonal=earlier).expand(1, 1, -1, -1)
+    additive = torch.zeros(1, 1, rows, earlier + rows).masked_fill(~causal, torch.finfo(torch.float32).min)
+    for mask in (causal, additive):
+        expected, _ = sdpa_attention.sdpa_attention_forward(module, query, key, value, mask, scaling=0.2)
+        calls = []
+        monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1))
+        found, _ = cpu_attention.attention_forward(module, query, key, value, mask, scaling=0.2)
+        monkeypatch.undo()
+        assert not calls and found.shape == expected.shape == (1, rows, kv_heads * group, 32)
+        assert torch.allclose(found, expected, atol=2e-6, rtol=1e-5)
+    # not a block after its cache, or not plain fp32: sdpa itself
+    sliding = causal & torch.ones(rows, earlier + rows, dtype=torch.bool).triu(diagonal=-5)  # earliest keys masked
+    padded = causal.clone()
+    padded[..., -1] = False  # the block's last key masked for every row
+    cases = [(query, key, value, sliding), (query, key, value, padded),
+             (query.bfloat16(), key.bfloat16(), value.bfloat16(), causal),
+             (query.expand(2, -1, -1, -1), key.expand(2, -1, -1, -1), value.expand(2, -1, -1, -1),
+              causal.expand(2, -1, -1, -1))]
+    for *tensors, mask in cases:
+        calls = []
+        monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(1) or (None, None))
+        cpu_attention.attention_forward(module, *tensors, mask, scaling=0.2)
+        monkeypatch.undo()
+        assert calls == [1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # sdpa computes in bf16 there
+        monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: calls.append(2) or (None, None))
+        cpu_attention.attention_forward(module, query, key, value, causal, scaling=0.2)
+        monkeypatch.undo()
+    assert calls == [1, 2]
+    short = cpu_attention.SHORT_QUERY  # a question's few rows: the matmuls or the C kernel, not this path
+    assert not cpu_attention._block_after_prefix(query[:, :, -short:], key[:, :, -short - 3:],
+                                                 value[:, :, -short - 3:], causal[..., -short:, -short - 3:], 0.0, {})
+
+
 @pytest.mark.skipif(native.unavailable_reason() is not None, reason=f"no C kernels: {native.unavailable_reason()}")
 @pytest.mark.parametrize("kv_heads, group, rows, keys, head_dim", [(3, 3, 18, 517, 64), (2, 4, 7, 100, 128),
                                                                    (1, 1, 2, 33, 16), (4, 2, 13, 16, 32)])
@@ -766,13 +815,15 @@ def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forwa
 
 
 def test_a_masks_question_columns_are_remembered_only_while_it_is_unchanged():
-    """cpu_attention reads where a question's columns start once per mask (every layer of a forward gets the same
-    one); a mask changed in place, or another mask, is read again."""
-    from snapkv.modeling.cpu_attention import _question_columns
+    """cpu_attention reads where a question's columns start, and whether they are causal, once per mask (every layer
+    of a forward gets the same one); a mask changed in place, or another mask, is read again."""
+    from snapkv.modeling.cpu_attention import _causal_after_prefix, _question_columns
 
     mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
-    assert _question_columns(mask) == _question_columns(mask) == 7
+    assert _question_columns(mask) == _question_columns(mask) == 7 and _causal_after_prefix(mask)
+    mask[0, 0, 2, 9] = False  # a row's own key masked: the earlier keys still all attended, the tail not causal
+    assert _question_columns(mask) == 7 and not _causal_after_prefix(mask)
     mask[0, 0, 0, 1] = False  # an earlier key masked for one row
-    assert _question_columns(mask) == 0
+    assert _question_columns(mask) == 0 and not _causal_after_prefix(mask)
     additive = torch.zeros(1, 1, 3, 10).masked_fill_(~torch.ones(3, 10, dtype=torch.bool).tril(diagonal=7), -1e9)
-    assert _question_columns(additive) == 7
+    assert _question_columns(additive) == 7 and _causal_after_prefix(additive)
