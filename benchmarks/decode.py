@@ -76,14 +76,14 @@ def kernels_variant(variant: str):
 @contextmanager
 def written_by_concatenation():
     """Within the block, every cache layer appended by concatenation (never presized)."""
-    from snapkv.engine import engines
+    from snapkv.engine import working_cache
 
-    chosen = engines.presize_pays
-    engines.presize_pays = lambda *_: False
+    chosen = working_cache.presize_pays
+    working_cache.presize_pays = lambda *_: False
     try:
         yield
     finally:
-        engines.presize_pays = chosen
+        working_cache.presize_pays = chosen
 
 
 @contextmanager

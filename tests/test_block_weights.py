@@ -10,6 +10,7 @@ from snapkv import native
 from snapkv.modeling.block_weights import BlockLinear, exact_blocks, use_block_weights
 from snapkv.measure.floor import weight_bytes_per_token
 from snapkv.engine.generation import answer, prefill
+from snapkv.engine.working_cache import WorkingCache
 
 from conftest import build_tiny
 
@@ -343,7 +344,7 @@ def test_fused_projections_decode_the_same_in_fewer_kernel_calls(monkeypatch):
                 for module in model.modules():
                     module.__dict__.pop(block_weights.FUSED, None)
             calls.clear()
-            found[label] = run(cache.to_dynamic_cache(model.config))
+            found[label] = run(WorkingCache.of(cache, model.config))
             found[label + " calls"] = len(calls)
         return found
 

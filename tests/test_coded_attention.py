@@ -14,6 +14,7 @@ from snapkv.compression.config import Cut
 from snapkv.compression.methods import Chunks, SnapKV
 from snapkv.engine.generation import answer, prefill
 from snapkv.storage.quantize import quantize_mixed, stored_schemes
+from snapkv.engine.working_cache import WorkingCache
 
 from test_native_decode import ids, on_blocks
 
@@ -81,7 +82,7 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
         if way == "restored":
             monkeypatch.setattr(coded_attention, "attend_and_cut", lambda *a: None)
             monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: None)
-        working = cache.to_dynamic_cache(model.config, into_room=True)
+        working = WorkingCache.of(cache, model.config, for_question=True)
         if method == "words":
             plan = CompressionPlan(Cut(64, 8, SnapKV(), whole_words=True), window=window)
             words = torch.repeat_interleave(torch.arange(PROMPT), torch.randint(1, 6, (PROMPT,),
@@ -138,7 +139,7 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
     query, key, value = torch.randn(1, 2, QUESTION, 64), torch.randn(1, 1, QUESTION, 64), torch.randn(1, 1, QUESTION, 64)
 
     def first_layer(stored_values=None):
-        working = cache.to_dynamic_cache(model.config, into_room=True)
+        working = WorkingCache.of(cache, model.config, for_question=True)
         layer = working.layers[0]
         if stored_values is not None:
             layer.stored_values = stored_values
@@ -158,7 +159,7 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
     vector_width(True)
     small = on_blocks(num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
     small_cache = saved(small, Bits(4, 3), tmp_path / "small.snapkv")
-    layer = small_cache.to_dynamic_cache(small.config, into_room=True).layers[0]
+    layer = WorkingCache.of(small_cache, small.config, for_question=True).layers[0]
     assert coded_attention.attend_and_cut(small.model.layers[0].self_attn, torch.randn(1, 4, QUESTION, 16),
                                           torch.randn(1, 2, QUESTION, 16), torch.randn(1, 2, QUESTION, 16), layer,
                                           plan) is None

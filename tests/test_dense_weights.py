@@ -15,6 +15,7 @@ from snapkv.engine.engines import EngineUse
 from snapkv.engine.generation import answer, prefill, run_forward
 from snapkv.modeling.dense_weights import Bf16Linear, dense_matmul, fuse_dense, fused_dense, narrow_exact_bf16
 from snapkv.modeling.presized import presize
+from snapkv.engine.working_cache import WorkingCache
 
 from conftest import build_tiny
 
@@ -81,7 +82,7 @@ def after_question(model, room: int, dtype: torch.dtype):
     """The working cache of one prompt after a question's pass, as the model computed it (its dtype), and a copy in
     `dtype` presized with `room` slots."""
     cache = prefill(model, ids(PROMPT, 1), None)
-    working = cache.to_dynamic_cache(model.config)
+    working = WorkingCache.of(cache, model.config)
     run_forward(model, ids(QUESTION, 2).unsqueeze(0), working, torch.arange(PROMPT, PROMPT + QUESTION).unsqueeze(0))
     reference = copy.deepcopy(working)
     for layer in reference.layers:

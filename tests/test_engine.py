@@ -15,6 +15,7 @@ from snapkv.compression.config import Cut, SnapKVConfig
 from snapkv.compression.methods import SnapKV
 from snapkv.base.errors import UnsupportedModelError
 from snapkv.engine.generation import answer, prefill
+from snapkv.engine.working_cache import WorkingCache
 
 PROMPT_LENGTH = 96
 
@@ -233,7 +234,7 @@ def test_the_question_pass_scores_from_the_attention_it_computed(name, monkeypat
                 patch.setattr(compress, "_window_attention", lambda captured, *rest: window_attention(None, *rest))
             plan = CompressionPlan(Cut(budget=24, window=8), window=window)
             with compressing(model, plan):
-                logits = run_forward(model, question.unsqueeze(0), cache.to_dynamic_cache(model.config), positions)
+                logits = run_forward(model, question.unsqueeze(0), WorkingCache.of(cache, model.config), positions)
         assert not any(hasattr(layer.module, cpu_attention.CAPTURED) for layer in attention_layers(model))
         return logits, plan.kept, len(recomputed)
 
@@ -291,14 +292,14 @@ def test_sampling_is_reproducible_with_a_seed():
 def test_presized_decoding_answers_token_for_token_as_concatenation(tiny_model, per_question, monkeypatch):
     """The cache written in place (snapkv.modeling.presized) gives the same greedy answer as appending by concatenation,
     on every architecture, the full cache and a per-question cut alike; the stored cache is left unchanged."""
-    from snapkv.engine import engines
+    from snapkv.engine import working_cache
 
     cache = prefill(tiny_model, random_ids(PROMPT_LENGTH, 5), None)
     before = [keys.clone() for keys in cache.keys]
     question = random_ids(6, 6)
     answers = {}
     for presized in (True, False):
-        monkeypatch.setattr(engines, "presize_pays", lambda *_: presized)
+        monkeypatch.setattr(working_cache, "presize_pays", lambda *_: presized)
         answers[presized] = list(answer(tiny_model, cache, question, per_question=per_question, max_new_tokens=24))
     assert len(answers[True]) == 24 and answers[True] == answers[False]
     assert len(set(answers[True])) > 3  # an answer that says something, not one token repeated
@@ -386,6 +387,41 @@ def test_a_restoring_layer_writes_into_the_room_or_concatenates_and_copies_out_w
     assert not first.buffer.holds(cache.layers[0].keys) and torch.equal(cache.layers[0].keys[0, :, 9:], new[0])
 
 
+def test_a_working_cache_leaves_its_compressed_cache_as_it_was_through_an_answers_steps(tiny_model, tmp_path):
+    """WorkingCache.of a deferred cache for a question: its full-attention layers still stored until the question's
+    pass reaches them (still_stored), tensors of their own once the question is done, room made for the answer where
+    it pays, rows held from elsewhere as plain layers; an eager cache's layers are its own tensors, not copies. The
+    CompressedCache is unchanged throughout."""
+    from snapkv.engine.engines import run_forward
+    from snapkv.modeling.presized import PresizedLayer
+    from snapkv.storage.cachefile import load_cache, save_cache
+    from snapkv.storage.deferred import RestoringLayer
+
+    save_cache(tmp_path / "cache.snapkv", prefill(tiny_model, random_ids(PROMPT_LENGTH, 30), None).at_precision(8))
+    lazy, _ = load_cache(tmp_path / "cache.snapkv", question_room=16)
+    eager, _ = load_cache(tmp_path / "cache.snapkv")
+    plain = [type(layer) is DynamicLayer for layer in DynamicCache(config=tiny_model.config).layers]
+    working = WorkingCache.of(lazy, tiny_model.config, for_question=True)
+    assert [working.still_stored(index) is not None for index in range(lazy.num_layers)] == plain
+    question = random_ids(6, 31)
+    run_forward(tiny_model, question.unsqueeze(0), working,
+                torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0))
+    assert all(working.still_stored(index) is None for index in range(lazy.num_layers))  # each restored by the pass
+    working.question_done()
+    assert not any(isinstance(layer, RestoringLayer) for layer in working.layers)  # the shared buffer let go
+    assert all(layer.get_seq_length() == PROMPT_LENGTH + 6 for layer, full in zip(working.layers, plain) if full)
+    working.make_room(tiny_model, 4)
+    assert all((type(layer) is PresizedLayer) == full for layer, full in zip(working.layers, plain))  # fp32: it pays
+    keys = torch.zeros(1, *lazy.layer_shapes()[0][:1], 3, lazy.layer_shapes()[0][2])
+    working.hold(0, keys, keys)
+    assert type(working.layers[0]) is DynamicLayer and working.layers[0].keys is keys
+    assert lazy.deferred and all(restored is None for restored, full in zip(lazy.keys._restored, plain) if full)
+    eager_working = WorkingCache.of(eager, tiny_model.config)
+    assert all(layer.keys.data_ptr() == kept.data_ptr()
+               for layer, kept, full in zip(eager_working.layers, eager.keys, plain) if full)
+    assert all(eager_working.still_stored(index) is None for index in range(eager.num_layers))
+
+
 @pytest.mark.slow
 def test_compiled_decoding_answers_token_for_token_as_eager():
     """torch.compile'd steps over a static copy of the cache (snapkv.engine.compiled) give the greedy answer of the eager
@@ -422,7 +458,7 @@ def test_a_compiler_failure_falls_back_to_the_eager_step(monkeypatch):
     eager = list(answer(model, cache, question, max_new_tokens=12))
     assert list(answer(model, cache, question, max_new_tokens=12, engine="compiled")) == eager
     assert decoder.failure == "RuntimeError: no C compiler found"
-    assert not decoder.qualifies(cache.to_dynamic_cache(model.config))  # given up for good
+    assert not decoder.qualifies(WorkingCache.of(cache, model.config))  # given up for good
 
 
 def test_sliding_window_caches_do_not_qualify_for_compiling():
@@ -430,9 +466,9 @@ def test_sliding_window_caches_do_not_qualify_for_compiling():
 
     model = build_tiny("gemma3")
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
-    assert not CompiledDecoder(model).qualifies(cache.to_dynamic_cache(model.config))
+    assert not CompiledDecoder(model).qualifies(WorkingCache.of(cache, model.config))
     llama = build_tiny("llama-gqa")
-    assert CompiledDecoder(llama).qualifies(prefill(llama, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(llama.config))
+    assert CompiledDecoder(llama).qualifies(WorkingCache.of(prefill(llama, random_ids(PROMPT_LENGTH, 5), None), llama.config))
 
 
 def test_chunked_prefill_with_nothing_to_drop_is_the_exact_prefill(tiny_model):
@@ -676,7 +712,7 @@ def test_a_bf16_model_decodes_with_cpu_attention_as_with_sdpa(name, monkeypatch)
     monkeypatch.setattr(cpu_attention, "sdpa_attention_forward", lambda *a, **k: fallbacks.append(1) or sdpa(*a, **k))
     question = random_ids(6, 6)
     for impl, model in models.items():
-        working = cache.to_dynamic_cache(model.config)
+        working = WorkingCache.of(cache, model.config)
         # the question's rows over the prompt's cache, then one decoded token at a time
         logits = [run_forward(model, question.unsqueeze(0), working,
                               torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)).float()]
@@ -702,7 +738,7 @@ def test_lean_decode_step_is_the_models_forward_to_the_bit(name, dtype, monkeypa
     model = model.to(dtype)
     cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None)
     question = random_ids(6, 6)
-    forward, lean = cache.to_dynamic_cache(model.config), cache.to_dynamic_cache(model.config)
+    forward, lean = WorkingCache.of(cache, model.config), WorkingCache.of(cache, model.config)
     assert lean_decode.qualifies(model, lean)
     positions = torch.arange(PROMPT_LENGTH, PROMPT_LENGTH + 6).unsqueeze(0)
     for working in (forward, lean):
@@ -770,7 +806,7 @@ def test_lean_question_pass_is_the_models_forward_with_its_cut_to_the_bit(name, 
     for cut in (None, Cut(24, 4), Cut(24, 8)):
         results = {}
         for way in ("forward", "lean"):
-            working = cache.to_dynamic_cache(model.config, into_room=True)
+            working = WorkingCache.of(cache, model.config, for_question=True)
             assert lean_decode.qualifies(model, working)
             plan = CompressionPlan(cut, window=6) if cut else None
             if way == "forward":
@@ -803,10 +839,10 @@ def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forwa
     from snapkv.engine import lean_decode
 
     model = build_tiny(name)
-    cache = prefill(model, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(model.config)
+    cache = WorkingCache.of(prefill(model, random_ids(PROMPT_LENGTH, 5), None), model.config)
     assert not lean_decode.qualifies(model, cache)
     llama = build_tiny("llama-gqa")
-    cache = prefill(llama, random_ids(PROMPT_LENGTH, 5), None).to_dynamic_cache(llama.config)
+    cache = WorkingCache.of(prefill(llama, random_ids(PROMPT_LENGTH, 5), None), llama.config)
     assert lean_decode.qualifies(llama, cache)
     handle = llama.model.layers[1].mlp.register_forward_hook(lambda *_: None)  # e.g. accelerate's device hooks
     assert not lean_decode.qualifies(llama, cache)

@@ -12,6 +12,7 @@ from snapkv.modeling.block_weights import use_block_weights
 from snapkv.compression.config import Cut
 from snapkv.engine.generation import answer, prefill, run_forward
 from snapkv.modeling.presized import presize
+from snapkv.engine.working_cache import WorkingCache
 
 from conftest import COMMON, build_tiny
 from test_block_weights import snap_to_blocks
@@ -46,7 +47,7 @@ def after_question(model, room: int):
     positions = torch.arange(PROMPT, PROMPT + QUESTION).unsqueeze(0)
     workings = []
     for _ in range(2):
-        working = cache.to_dynamic_cache(model.config)
+        working = WorkingCache.of(cache, model.config)
         run_forward(model, ids(QUESTION, 2).unsqueeze(0), working, positions)
         presize(working, room)
         workings.append(working)
@@ -138,7 +139,7 @@ def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch)
     _, working = after_question(qwen2, room=4)
     assert native_decode.for_cache(qwen2, working, PROMPT + QUESTION, 4) is None
     model = on_blocks()
-    cache = prefill(model, ids(PROMPT, 1), None).to_dynamic_cache(model.config)  # not presized: read where it is
+    cache = WorkingCache.of(prefill(model, ids(PROMPT, 1), None), model.config)  # not presized: read where it is
     layers = list(cache.layers)
     stepper = native_decode.for_cache(model, cache, PROMPT, 4)
     assert stepper is not None and stepper.step(5, PROMPT) is not None
@@ -168,7 +169,7 @@ def test_native_question_layers_are_the_lean_pass_within_rounding(heads, monkeyp
     question = ids(QUESTION, 2)
     found = {}
     for label in ("lean", "native"):
-        working = cache.to_dynamic_cache(model.config)
+        working = WorkingCache.of(cache, model.config)
         plan = CompressionPlan(Cut(64, 8), window=QUESTION)
         if label == "lean":
             logits = torch_question.question_pass(model, question, PROMPT, working, plan)

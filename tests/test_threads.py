@@ -14,6 +14,7 @@ from snapkv import native
 from snapkv.base.errors import ConfigError
 from snapkv.native import threads
 from snapkv.native.threads import CoreShare, busy_seconds, quota_cores, threads_left, threads_setting
+from snapkv.engine.working_cache import WorkingCache
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
 
@@ -120,7 +121,7 @@ def test_the_kernels_give_the_same_bits_whatever_their_thread_count(monkeypatch)
     runs = []
     for count in (1, 2):
         monkeypatch.setattr(threads, "_share", CoreShare(count, None))
-        working = cache.to_dynamic_cache(model.config)
+        working = WorkingCache.of(cache, model.config)
         plan = CompressionPlan(Cut(64, 8), window=QUESTION)
         logits = [native_question.question_pass(model, ids(QUESTION, 2), PROMPT, working, plan,
                                                 native_decode.question_layers(model))]

@@ -13,6 +13,7 @@ import torch
 
 from snapkv.compression.compress import cache_argument
 from snapkv.engine.engines import model_device, run_forward
+from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.architectures import hooked_attention, window_queries
 from snapkv.storage.cache import CompressedCache
 
@@ -96,7 +97,7 @@ def answer_attention(model, cache: CompressedCache, fed_ids: torch.Tensor, rows:
     device = model_device(model)
     start = cache.original_length
     # the layers up to the last asked for (a deferred cache's restored for this pass only)
-    working = cache.to_dynamic_cache(model.config, through=None if layers is None else max(layers))
+    working = WorkingCache.of(cache, model.config, through=None if layers is None else max(layers))
     positions = torch.arange(start, start + fed_ids.shape[0], device=device).unsqueeze(0)
     state = _State(cache, working, rows, layers, reduce)
     with hooked_attention(model, partial(_attention_hook, state), with_kwargs=True):

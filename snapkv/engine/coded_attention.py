@@ -67,14 +67,15 @@ def _pointer_array(values: list[int], kind) -> ctypes.Array:
 
 
 @torch.inference_mode()
-def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer,
+def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: RestoringLayer | None,
                    plan: CompressionPlan) -> torch.Tensor | None:
-    """The question's attention output (1, q, heads * head_dim), with `layer` (a deferred layer not yet restored)
-    cut to the plan and holding only its kept positions (plan.kept updated as cut_layer does); None where this path
-    does not apply (nothing is changed then). query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim):
-    the question's rows after RoPE (query, key), fp32."""
+    """The question's attention output (1, q, heads * head_dim), with `layer` (a deferred layer still in its stored
+    bits: WorkingCache.still_stored; None: there is none) cut to the plan and holding only its kept positions
+    (plan.kept updated as cut_layer does); None where this path does not apply (nothing is changed then).
+    query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim): the question's rows after RoPE (query,
+    key), fp32."""
     method = plan.cut.method
-    if (not isinstance(layer, RestoringLayer) or layer.restored or not isinstance(method, (SnapKV, Chunks))
+    if (layer is None or not isinstance(method, (SnapKV, Chunks))
             or native.unavailable_reason() is not None or not native.kernels().wide_vectors(-1)):
         return None  # no 16-lane functions in use: in plain C (the avx2 and generic builds) the restored path is faster
     parts = _parts(layer.stored_keys, layer.stored_values)

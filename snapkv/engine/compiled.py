@@ -16,10 +16,11 @@ import time
 import weakref
 
 import torch
-from transformers import DynamicCache, StaticCache
+from transformers import StaticCache
 from transformers.cache_utils import DynamicLayer
 
 from snapkv.base.paths import snapkv_home
+from snapkv.engine.working_cache import WorkingCache
 
 ROOM_STEP = 512
 
@@ -44,7 +45,7 @@ class CompiledDecoder:
     def model(self):
         return self._model()
 
-    def qualifies(self, working: DynamicCache) -> bool:
+    def qualifies(self, working: WorkingCache) -> bool:
         """Every layer plain full attention, holding the same count, on one device (no device_map spread)."""
         every_plain = all(type(layer) is DynamicLayer and layer.is_initialized for layer in working.layers)
         if not every_plain:
@@ -53,7 +54,7 @@ class CompiledDecoder:
         devices = {layer.keys.device for layer in working.layers}
         return self.failure is None and len(lengths) == 1 and len(devices) == 1
 
-    def static_copy(self, working: DynamicCache, new_tokens: int) -> StaticCache:
+    def static_copy(self, working: WorkingCache, new_tokens: int) -> StaticCache:
         """The static cache of the right room, holding what `working` holds."""
         first = working.layers[0].keys  # (1, kv_heads, filled, head_dim)
         filled = first.shape[-2]

@@ -28,7 +28,7 @@ from snapkv import native
 from snapkv.compression.compress import CompressionPlan, compressing
 from snapkv.compression.config import engine_setting
 from snapkv.engine import lean_decode, native_decode, native_question, torch_question
-from snapkv.modeling.presized import presize, presize_pays
+from snapkv.engine.working_cache import WorkingCache
 
 _ORDERS = {"auto": ("native", "torch", "reference"), "native": ("native", "torch", "reference"),
            "compiled": ("compiled", "native", "torch", "reference"), "torch": ("torch", "reference"),
@@ -71,11 +71,11 @@ class Engine:
 
     name = ""
 
-    def question_pass(self, model, question_ids: torch.Tensor, start: int, working: DynamicCache,
+    def question_pass(self, model, question_ids: torch.Tensor, start: int, working: WorkingCache,
                       plan: CompressionPlan | None) -> torch.Tensor | None:
         return None
 
-    def stepper(self, model, working: DynamicCache, position: int, steps: int) -> Stepper | None:
+    def stepper(self, model, working: WorkingCache, position: int, steps: int) -> Stepper | None:
         return None
 
 
@@ -95,15 +95,8 @@ def run_forward(
     return output.logits[0, -1]
 
 
-def _ready_in_place(model, working: DynamicCache, steps: int) -> None:
-    """Each layer copied once into a buffer with room for the answer, where writing in place pays
-    (snapkv.modeling.presized); whichever engine asks first does it (presize leaves a presized layer as it is)."""
-    if presize_pays(model, working):
-        presize(working, steps)
-
-
 class _ForwardSteps(Stepper):
-    def __init__(self, model, working: DynamicCache) -> None:
+    def __init__(self, model, working: WorkingCache) -> None:
         self._model, self._working = model, working
         self._device = working.layers[0].keys.device if working.layers else torch.device("cpu")
 
@@ -122,12 +115,12 @@ class Reference(Engine):
             return run_forward(model, question_ids.to(device).unsqueeze(0), working, positions)
 
     def stepper(self, model, working, position, steps):
-        _ready_in_place(model, working, steps)
+        working.make_room(model, steps)
         return _ForwardSteps(model, working)
 
 
 class _LeanSteps(Stepper):
-    def __init__(self, model, working: DynamicCache) -> None:
+    def __init__(self, model, working: WorkingCache) -> None:
         self._model, self._working = model, working
 
     def step(self, token: int, position: int) -> torch.Tensor:
@@ -145,7 +138,7 @@ class Torch(Engine):
     def stepper(self, model, working, position, steps):
         if not lean_decode.qualifies(model, working):
             return None
-        _ready_in_place(model, working, steps)
+        working.make_room(model, steps)
         return _LeanSteps(model, working)
 
 
@@ -173,12 +166,12 @@ class Native(Engine):
                                              layers)
 
     def stepper(self, model, working, position, steps):
-        decoder = native_decode.for_cache(model, working, position, steps)  # presizes the cache itself (fp32)
+        decoder = native_decode.for_cache(model, working, position, steps)  # reads the rows where they are
         return _NativeSteps(decoder) if decoder is not None else None
 
 
 class _CompiledSteps(Stepper):
-    def __init__(self, decoder, working: DynamicCache, steps: int) -> None:
+    def __init__(self, decoder, working: WorkingCache, steps: int) -> None:
         self._decoder, self._working = decoder, working
         self._static = decoder.static_copy(working, steps)
 

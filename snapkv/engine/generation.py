@@ -15,10 +15,10 @@ from snapkv.compression.compress import CompressionPlan, compressing
 from snapkv.compression.config import Cut, Tier
 from snapkv.engine.engines import (EngineUse, engine_order, model_device,  # run_forward: the model's own forward
                                    run_forward)
+from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.architectures import attention_layers, hooked_attention
 from snapkv.modeling.chunking import DEFAULT_CHUNK_TOKENS, chunked_feed_forward
 from snapkv.storage.cache import CompressedCache
-from snapkv.storage.deferred import release_buffers
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def answer(
     engines = engine_order(engine)
     used = used if used is not None else EngineUse()
     used.kernels = native.variant() if device.type == "cpu" else None  # the C kernels run on CPU only
-    working = cache.to_dynamic_cache(model.config, into_room=True)
+    working = WorkingCache.of(cache, model.config, for_question=True)
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=device).manual_seed(sampling.seed)
@@ -198,7 +198,7 @@ def answer(
         if logits is not None:
             used.question = candidate.name
             break
-    release_buffers(working)
+    working.question_done()
     steppers = iter(engines)
     stepper = None
     for step in range(max_new_tokens):
@@ -229,7 +229,7 @@ def extended(model, cache: CompressedCache, ids: torch.Tensor) -> CompressedCach
     saved as it is (its stored form is gone); `cache` itself is unchanged."""
     start, n = cache.original_length, ids.shape[0]
     # every layer; a deferred cache's restored for this forward only (the document's cache keeps its stored codes)
-    working = cache.to_dynamic_cache(model.config, through=cache.num_layers - 1)
+    working = WorkingCache.of(cache, model.config, through=cache.num_layers - 1)
     device = model_device(model)
     run_forward(model, ids.to(device).unsqueeze(0), working, torch.arange(start, start + n, device=device).unsqueeze(0))
     added = torch.arange(start, start + n)

@@ -17,10 +17,10 @@ snapkv.engine.native_question); both take `qualifies` and `rms_norm` from here.
 """
 
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import FUSIBLE, fused_outputs
 
 PLAIN_LLAMA = ("llama", "mistral", "qwen2")
@@ -31,7 +31,7 @@ def _has_hooks(model) -> bool:
     return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
 
 
-def qualifies(model, cache: DynamicCache) -> bool:
+def qualifies(model, cache: WorkingCache) -> bool:
     """A plain Llama-family decoder on CPU, every layer full attention in a plain (or presized) cache layer,
     no module hooks."""
     config = model.config
@@ -62,7 +62,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def decode_step(model, token: int, position: int, cache: DynamicCache) -> torch.Tensor:
+def decode_step(model, token: int, position: int, cache: WorkingCache) -> torch.Tensor:
     """Append `token` at `position` to `cache`; the next logits (vocab,)."""
     inner = model.model
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]

@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicLayer
 
 from snapkv import native
 from snapkv.engine import lean_decode
+from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
 from snapkv.modeling.dense_weights import DENSE_DTYPES, dense_matmul, fused_dense, plain_weight
 from snapkv.modeling.presized import PresizedLayer
@@ -66,8 +67,8 @@ class NativeDecoder:
     """decode_token over one answer: the cache's rows read where the question's pass left them, the answer's own in
     fp32 buffers with room for it; build with for_cache."""
 
-    def __init__(self, model, cache, found: ModelLayers, held: list[tuple[torch.Tensor, torch.Tensor]], steps: int,
-                 cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
+    def __init__(self, model, cache: WorkingCache, found: ModelLayers, held: list[tuple[torch.Tensor, torch.Tensor]],
+                 steps: int, cos: torch.Tensor, sin: torch.Tensor, first_position: int) -> None:
         """held: per layer, the cache's keys and values (kv_heads, tokens, head_dim), contiguous fp32 or bf16."""
         self._model, self._cache = model, cache
         kv_heads, head_dim = found.shape.kv_heads, found.shape.head_dim
@@ -120,15 +121,12 @@ class NativeDecoder:
                 torch.cat([values.float(), answer_values[:, :filled]], dim=1).unsqueeze(0))
 
     def sync(self) -> None:
-        """Hand the cache over to the steps that take over from these: every layer a plain DynamicLayer in the model's
+        """Hand the working cache over to the steps that take over from these: every layer a plain one in the model's
         dtype holding the cache's rows and the answer's written so far."""
         dtype = self._model.model.embed_tokens.weight.dtype
-        for index, layer in enumerate(self._cache.layers):
+        for index in range(len(self._cache.layers)):
             keys, values = self.written(index)
-            plain = DynamicLayer()
-            plain.device, plain.is_initialized = layer.device, True
-            plain.keys, plain.values = keys.to(dtype), values.to(dtype)
-            self._cache.layers[index] = plain
+            self._cache.hold(index, keys.to(dtype), values.to(dtype))
 
 
 def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
@@ -221,7 +219,7 @@ def _held_rows(layer, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch
 
 
 @torch.inference_mode()
-def for_cache(model, cache, first_position: int, steps: int) -> NativeDecoder | None:
+def for_cache(model, cache: WorkingCache, first_position: int, steps: int) -> NativeDecoder | None:
     """A NativeDecoder for `steps` tokens from `first_position` over `cache`, which it reads where it is (the cache
     itself is left as it is until sync), or None where the model or the cache is not one it takes: then the lean step
     decodes."""

@@ -8,16 +8,16 @@ whole; where either does not apply, the torch engine's part or attention.
 from contextlib import nullcontext
 
 import torch
-from transformers import DynamicCache
 
 from snapkv.compression.compress import CompressionPlan, capturing
 from snapkv.engine.coded_attention import attend_and_cut
 from snapkv.engine.native_decode import QuestionLayers, output_logits
 from snapkv.engine.torch_question import LayerParts, attend_over_cache, question_mask
+from snapkv.engine.working_cache import WorkingCache
 
 
 @torch.inference_mode()
-def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicCache, plan: CompressionPlan | None,
+def question_pass(model, question_ids: torch.Tensor, start: int, cache: WorkingCache, plan: CompressionPlan | None,
                   layers: QuestionLayers | None) -> torch.Tensor:
     """As snapkv.engine.torch_question.question_pass; layers: the C parts (None: PyTorch's ops)."""
     inner = model.model
@@ -33,7 +33,7 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicC
             cut = attention in cut_modules
             attended = None  # (1, q, heads * head_dim)
             if cut:  # straight from the layer's codes where it can
-                attended = attend_and_cut(attention, *found[1:], cache.layers[attention.layer_idx], plan)
+                attended = attend_and_cut(attention, *found[1:], cache.still_stored(attention.layer_idx), plan)
             if attended is None:
                 attended = attend_over_cache(model, attention, found, cache, mask, plan, cut, (cos, sin))
             hidden = parts.after(index, attended, hidden)

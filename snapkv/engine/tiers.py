@@ -26,6 +26,7 @@ from snapkv.compression.config import Cut, Plan, Tier
 from snapkv.compression.methods import Method, Probe, PseudoQuestion, WindowAttention
 from snapkv.compression.scoring import gather_positions
 from snapkv.engine.generation import chunked_prefill, extended, model_device, prefill, run_forward
+from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.architectures import attention_layers, hooked_attention, window_queries
 from snapkv.storage.cache import CompressedCache
 from snapkv.storage.quantize import first_rows
@@ -84,7 +85,7 @@ def probe_scores(model, cache: CompressedCache, method: Method, probes: list[Pro
     with _scoring(model, method, state):
         for step, probe in enumerate(probes):
             state.probe = probe
-            working = cache.to_dynamic_cache(model.config)
+            working = WorkingCache.of(cache, model.config)
             positions = torch.arange(cache.original_length, cache.original_length + len(probe.ids), device=device)
             run_forward(model, probe.ids.to(device).unsqueeze(0), working, positions.unsqueeze(0))
             if on_step:

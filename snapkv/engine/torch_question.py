@@ -11,12 +11,12 @@ follow-up at 8k tokens of the embedded model: ~7 ms of a ~0.23 s pass (interleav
 from contextlib import nullcontext
 
 import torch
-from transformers import DynamicCache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from snapkv import native
 from snapkv.compression.compress import CompressionPlan, capturing, cut_layer
 from snapkv.engine.lean_decode import GATE_UP, QKV, rotate_half, rms_norm
+from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import fused_outputs
 
 
@@ -77,7 +77,7 @@ class LayerParts:
         return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
-def attend_over_cache(model, attention, parts: tuple[torch.Tensor, ...], cache: DynamicCache, mask: torch.Tensor,
+def attend_over_cache(model, attention, parts: tuple[torch.Tensor, ...], cache: WorkingCache, mask: torch.Tensor,
                       plan: CompressionPlan | None, cut: bool, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """A layer's attention over its cache with the question's key and value appended, the layer then cut by the plan
     where `cut` (as the hook cuts it): its output (1, q, heads * head_dim). parts: LayerParts.before's."""
@@ -91,7 +91,7 @@ def attend_over_cache(model, attention, parts: tuple[torch.Tensor, ...], cache: 
 
 
 @torch.inference_mode()
-def question_pass(model, question_ids: torch.Tensor, start: int, cache: DynamicCache,
+def question_pass(model, question_ids: torch.Tensor, start: int, cache: WorkingCache,
                   plan: CompressionPlan | None) -> torch.Tensor:
     """The question's tokens (q,) at positions start.. appended to `cache`, each compressible layer then cut by `plan`
     (None: none is) as snapkv.compression.compress.compressing cuts it; the last token's logits (vocab,)."""

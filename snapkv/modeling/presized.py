@@ -6,7 +6,8 @@ PresizedLayer holds one buffer with room for the whole answer; each token is wri
 attention reads a view of the filled part. The first token past the room doubles it (never expected:
 room is sized from max_new_tokens).
 
-The question pass's counterpart over a saved cache is snapkv.storage.deferred's RestoringLayer.
+The question pass's counterpart over a saved cache is snapkv.storage.deferred's RestoringLayer; both reach the engines
+behind snapkv.engine.working_cache.WorkingCache (make_room).
 """
 
 import torch

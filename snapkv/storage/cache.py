@@ -4,11 +4,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from snapkv.base.bits import Bits
 from snapkv.compression.config import Tier
-from snapkv.storage.deferred import StoredLayers, restoring_layers
+from snapkv.storage.deferred import StoredLayers
 from snapkv.storage.quantize import (dequantize, joined_rows, quantize, quantize_mixed, storage_dtype,
                                      stored_schemes)
 
@@ -128,39 +127,6 @@ class CompressedCache:
             return [k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in zip(self.keys, self.values)]
         return [sum(part.numel() * part.element_size() if isinstance(part, torch.Tensor) else part.nbytes
                     for part in pair) for pair in self.payload]
-
-    def to_dynamic_cache(self, model_config, into_room: bool = False, through: int | None = None) -> DynamicCache:
-        """A fresh transformers cache over these tensors, ready for a forward pass.
-
-        Full-attention layers start from these very tensors, without a copy: DynamicLayer only ever
-        replaces its tensors (appending concatenates into new ones, SnapKV gathers into new ones),
-        so a forward on the returned cache never changes this object. Sliding-window layers go
-        through the public update(), which copies.
-        into_room: for a question's pass over a deferred cache: its full-attention layers are restored one at a time
-        into one buffer with the question's keys and values written after each head's positions
-        (deferred.RestoringLayer); call deferred.release_buffers after that forward.
-        through: only layers 0..through are filled, for a forward stopped after that layer; a deferred cache's layers
-        are then restored for the returned cache alone, not kept in this one.
-        """
-        cache = DynamicCache(config=model_config)
-        restoring = (restoring_layers(self.keys, self.values, self.question_room) if into_room and self.deferred
-                     else None)
-        for index in range(self.num_layers if through is None else through + 1):
-            layer = cache.layers[index]
-            if restoring is not None and type(layer) is DynamicLayer:
-                cache.layers[index] = restoring[index]
-                continue
-            if through is not None and self.deferred:
-                keys, values = self.keys.restored(index), self.values.restored(index)
-            else:
-                keys, values = self.keys[index], self.values[index]
-            keys, values = keys.unsqueeze(0), values.unsqueeze(0)  # (1, kv_heads, kept, head_dim)
-            if type(layer) is DynamicLayer:
-                layer.lazy_initialization(keys, values)
-                layer.keys, layer.values = keys, values
-            else:
-                cache.update(keys, values, index)
-        return cache
 
     @classmethod
     def from_dynamic_cache(

@@ -9,6 +9,7 @@ A layer that is not cut is copied out of the buffer before the next layer takes 
 deferred cache's keys or values gets each layer restored on its own, once, as an eagerly loaded cache holds it.
 Where snapkv.engine.coded_attention takes a layer (snapkv.engine.lean_decode's question pass in fp32 on a CPU with AVX-512), the layer
 never enters the buffer: it is attended from its codes and only the positions the cut keeps are restored.
+These layers reach the engines behind snapkv.engine.working_cache.WorkingCache (for_question).
 """
 
 from collections.abc import Sequence
