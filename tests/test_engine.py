@@ -853,7 +853,7 @@ def test_lean_decode_leaves_other_architectures_and_hooked_models_to_their_forwa
 def test_a_masks_question_columns_are_remembered_only_while_it_is_unchanged():
     """cpu_attention reads where a question's columns start, and whether they are causal, once per mask (every layer
     of a forward gets the same one); a mask changed in place, or another mask, is read again."""
-    from snapkv.modeling.cpu_attention import _causal_after_prefix, _question_columns
+    from snapkv.modeling.cpu_attention import _causal_after_prefix, _lower_triangular, _question_columns
 
     mask = torch.ones(1, 1, 3, 10, dtype=torch.bool).tril(diagonal=7)
     assert _question_columns(mask) == _question_columns(mask) == 7 and _causal_after_prefix(mask)
@@ -863,3 +863,7 @@ def test_a_masks_question_columns_are_remembered_only_while_it_is_unchanged():
     assert _question_columns(mask) == 0 and not _causal_after_prefix(mask)
     additive = torch.zeros(1, 1, 3, 10).masked_fill_(~torch.ones(3, 10, dtype=torch.bool).tril(diagonal=7), -1e9)
     assert _question_columns(additive) == 7 and _causal_after_prefix(additive)
+    square = torch.ones(5, 5, dtype=torch.bool).tril()  # read in bands of rows: every band checked
+    assert _lower_triangular(square, block=2)
+    square[4, 3] = False  # the last band's
+    assert not _lower_triangular(square, block=2)

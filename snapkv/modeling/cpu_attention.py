@@ -95,10 +95,23 @@ def _read_mask(attention_mask: torch.Tensor) -> tuple[int, bool]:
     rows, n = attention_mask.shape[-2:]
     attended = _attended(attention_mask)
     columns = n - rows if rows < n and bool(attended[..., : n - rows].all()) else 0
-    causal = bool(columns and rows > 1 and attention_mask.shape[0] == 1 and torch.equal(
-        attended[0, 0, :, columns:], torch.ones(rows, rows, dtype=torch.bool, device=attended.device).tril_()))
+    causal = bool(columns and rows > 1 and attention_mask.shape[0] == 1
+                  and _lower_triangular(attended[0, 0, :, columns:]))
     _last_mask[:] = [weakref.ref(attention_mask), _version_of(attention_mask), (columns, causal)]
     return columns, causal
+
+
+def _lower_triangular(square: torch.Tensor, block: int = 1024) -> bool:
+    """Whether square (q, q) bool is True exactly on and below its diagonal; read `block` rows at a time, so that no
+    second q x q tensor is made."""
+    rows = square.shape[0]
+    columns = torch.arange(rows, device=square.device)
+    for start in range(0, rows, block):
+        band = square[start:start + block]  # (b, q)
+        expected = columns <= torch.arange(start, start + band.shape[0], device=square.device).unsqueeze(1)
+        if not torch.equal(band, expected):
+            return False
+    return True
 
 
 # _read_mask's memory: a weak reference to the last mask read, its version, the answer
