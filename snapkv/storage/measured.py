@@ -60,7 +60,8 @@ class Measured:
                  else "; beyond the noise floor" if self.beyond_floor else "; within the noise floor")
         smaller = f"; {self.smaller:.2f}x smaller" if self.smaller else ""
         return (f"{what}: {self.identical} of {self.questions} answers identical, {self.changed} with a fact changed "
-                f"({self.changed_right} where the reference was right), {self.lost} facts lost, {self.gained} gained"
+                f"({self.changed_right} where the reference was right), {self.lost} fact{'' if self.lost == 1 else 's'} "
+                f"lost, {self.gained} gained"
                 f"{smaller}{floor} ({self.answers} compared, {self.dtype}, {self.source})")
 
 
