@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicLayer
 
 from snapkv.modeling.presized import presize, presize_pays
 from snapkv.storage.cache import CompressedCache
-from snapkv.storage.deferred import RestoringLayer, release_buffers, restoring_layers
+from snapkv.storage.deferred import RestoringLayer, plain_layer, release_buffers, restoring_layers
 
 
 class WorkingCache(DynamicCache):
@@ -84,8 +84,4 @@ class WorkingCache(DynamicCache):
     def hold(self, index: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Layer `index` becomes a plain layer holding keys and values (1, kv_heads, held, head_dim): rows written
         elsewhere (snapkv.engine.native_decode's buffers) handed back for the steps that take over."""
-        layer = self.layers[index]
-        plain = DynamicLayer()
-        plain.device, plain.is_initialized = layer.device, True
-        plain.keys, plain.values = keys, values
-        self.layers[index] = plain
+        self.layers[index] = plain_layer(keys, values, self.layers[index].device)

@@ -173,7 +173,7 @@ def _block_after_prefix(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     causal over its own keys, nothing sdpa-specific asked for (see _attend_block_after_prefix). Not in bf16 (nor
     under CPU autocast, where sdpa computes in bf16): there the two outputs are rounded to bf16 before they are
     joined, and chunked prefills of samples/city_transport_review.txt changed 3 of 12 answers that way (2 of 12 with
-    the join in fp32), against none of 29 in fp32."""
+    the join in fp32), against none of 46 in fp32."""
     return (_FLASH is not None and attention_mask is not None and attention_mask.dim() == 4
             and query.shape[0] == 1 and query.shape[2] > SHORT_QUERY and query.device.type == "cpu"
             and not torch.is_autocast_enabled("cpu") and query.dtype == key.dtype == value.dtype == torch.float32

@@ -126,10 +126,15 @@ class RestoringLayer(DynamicLayer):
     def released(self) -> DynamicLayer:
         """A plain DynamicLayer holding what this one holds, none of it in the buffer."""
         self.keep_own_copy()
-        plain = DynamicLayer()
-        plain.device, plain.is_initialized = self.device, True
-        plain.keys, plain.values = self.keys, self.values
-        return plain
+        return plain_layer(self.keys, self.values, self.device)
+
+
+def plain_layer(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> DynamicLayer:
+    """A transformers DynamicLayer holding keys and values (1, kv_heads, held, head_dim) as they are, not copied."""
+    plain = DynamicLayer()
+    plain.device, plain.is_initialized = device, True
+    plain.keys, plain.values = keys, values
+    return plain
 
 
 def _written_after(states: torch.Tensor, added: torch.Tensor) -> torch.Tensor:
