@@ -5,6 +5,8 @@ One script, one subcommand per study (each says what it measures with --help):
     sizes      file bytes per stored tier, and what choosing the tier costs
     sharp      stored bits side by side, the sharper share included
     tiers      which stored tier to save: needles, many questions and bytes per setting
+    simulate   a tier the file cannot hold yet (exact sinks and recent positions, exact outlier key channels,
+               keys rounded before RoPE), simulated in memory and judged by `snapkv eval fidelity`
 
     .venv/bin/python benchmarks/storage.py SUBCOMMAND [OPTIONS]
 """
@@ -12,6 +14,7 @@ One script, one subcommand per study (each says what it measures with --help):
 import argparse
 import json
 import random
+import sys
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -234,7 +237,63 @@ def run_tiers(argv: list[str]) -> None:
                                          "settings": [s.name for s in chosen]}, default=str))
 
 
-STUDIES = {"sizes": run_sizes, "sharp": run_sharp, "tiers": run_tiers}
+SIMULATE_DOC = """A stored tier the file format cannot hold yet, simulated in memory and judged by `snapkv eval fidelity`.
+
+The tier --tier is rounded as its bits say, then what snapkv.measure.simulated describes is done: the first --sinks
+and last --recent positions of each head put back exact, its --key-outliers key channels of largest magnitude put
+back exact, the keys rounded before RoPE (--keys-before-rope). The result is kept in 16 bits, so every question
+reads these values as it would a real tier's; the file written is 16-bit, so its size is estimated and printed.
+The arguments after -- go to `snapkv eval fidelity` as they are (its --tiers is this --tier). Only --tier is
+simulated: run the real tier in a run of its own (`snapkv eval fidelity --tiers TIER`) to compare.
+
+    .venv/bin/python benchmarks/storage.py simulate --tier 8/4g32 --sinks 4 --recent 64 -- \\
+        --only mountain_expedition --needle-lengths '' --floor '' -o simulated.json
+"""
+
+
+def run_simulate(argv: list[str]) -> int:
+    from snapkv.engine import tiers
+    from snapkv.measure.simulated import Simulation, estimated_ratio, simulated_layer
+    from snapkv_cli.app import main
+
+    split = argv.index("--") if "--" in argv else len(argv)
+    ours, theirs = argv[:split], argv[split + 1:]  # this study's arguments, then snapkv eval fidelity's
+    parser = argparse.ArgumentParser(description=SIMULATE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tier", required=True, type=Bits.parse, help="stored bits, as --store-bits (no sharper share)")
+    parser.add_argument("--sinks", type=int, default=0, help="each head's first positions kept exact")
+    parser.add_argument("--recent", type=int, default=0, help="each head's last positions kept exact")
+    parser.add_argument("--key-outliers", type=int, default=0, help="key channels per head kept exact")
+    parser.add_argument("--keys-before-rope", action="store_true", help="round the keys before RoPE")
+    args = parser.parse_args(ours)
+    simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope)
+    real = tiers.at_stored_precision
+
+    def simulated(model, prompter, cache, bits, on_step=None):
+        if Bits.parse(bits) != args.tier:
+            return real(model, prompter, cache, bits, on_step)
+        keys, values = [], []
+        for layer_keys, layer_values, positions in zip(cache.keys, cache.values, cache.positions):
+            # (kv_heads, held, head_dim) each: the rotary embedding at each head's held positions
+            rope = model.model.rotary_emb(layer_keys.float(), positions) if args.keys_before_rope else None
+            layer = simulated_layer(layer_keys, layer_values, args.tier, simulation, rope)
+            keys.append(layer[0].to(layer_keys.dtype))
+            values.append(layer[1].to(layer_values.dtype))
+        shape = cache.layer_shapes()[0]
+        print(f"simulated {args.tier} ({simulation.describe()}): about "
+              f"{estimated_ratio(args.tier, simulation, shape[1], shape[2]):.2f}x smaller than 16 bits at "
+              f"{shape[1]} positions", file=sys.stderr, flush=True)
+        return replace(cache, keys=keys, values=values, payload=None).at_precision(16)
+
+    tiers.at_stored_precision = simulated
+    sys.argv = ["snapkv", "eval", "fidelity", *theirs, "--tiers", str(args.tier)]
+    try:
+        main()
+    except SystemExit as exit:
+        return exit.code if isinstance(exit.code, int) else 1
+    return 0
+
+
+STUDIES = {"sizes": run_sizes, "sharp": run_sharp, "tiers": run_tiers, "simulate": run_simulate}
 
 
 if __name__ == "__main__":

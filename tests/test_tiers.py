@@ -546,3 +546,62 @@ def test_a_cut_that_keeps_words_whole_sees_the_prompts_words(tiny_loaded, monkey
         if numbers:  # fewer, longer words: each number with its neighbours
             assert int(prompt_words.max()) < int(session.prompter.word_ids(prepared.cache.token_ids).max())
         assert torch.equal(seen[0][0], prompt_words)  # the stored positions' words, then the question's none
+
+
+# ------------------------------------------------------------------------------------------ simulated tiers
+
+def _rope(held: int, head_dim: int, kv_heads: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (kv_heads, held, head_dim) as a Llama rotary embedding makes them at positions 0..held-1."""
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.arange(held).float()[:, None] * inverse  # (held, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1).expand(kv_heads, -1, -1)
+    return angles.cos(), angles.sin()
+
+
+def test_a_simulated_tier_puts_back_its_exact_positions_and_outlier_channels_and_rounds_the_rest():
+    from snapkv.measure.simulated import Simulation, simulated_layer
+
+    torch.manual_seed(0)
+    keys, values = torch.randn(2, 100, 64), torch.randn(2, 100, 64)
+    keys[0, :, 5] *= 40  # an outlier channel in head 0
+    bits = Bits.parse("8/4g32")
+    plain_keys, plain_values = simulated_layer(keys, values, bits, Simulation())
+    key_scheme, value_scheme = stored_schemes(bits, 64)
+    assert torch.equal(plain_keys, dequantize(quantize(keys, key_scheme)))
+    assert torch.equal(plain_values, dequantize(quantize(values, value_scheme)))
+    found_keys, found_values = simulated_layer(keys, values, bits, Simulation(sinks=3, recent=10, key_outliers=1))
+    for found, exact, plain in ((found_keys, keys, plain_keys), (found_values, values, plain_values)):
+        assert torch.equal(found[:, :3], exact[:, :3]) and torch.equal(found[:, -10:], exact[:, -10:])
+        assert not torch.equal(found[:, 3:90], exact[:, 3:90])
+    assert torch.equal(found_keys[0, :, 5], keys[0, :, 5])  # the outlier channel, exact
+    assert torch.equal(found_keys[0, 3:90, :5], plain_keys[0, 3:90, :5])  # the rest as the tier rounds it
+    assert torch.equal(found_values[:, 3:90], plain_values[:, 3:90])
+
+
+def test_keys_rounded_before_rope_come_back_with_rope_on():
+    from snapkv.measure.simulated import Simulation, simulated_layer, with_rope, without_rope
+
+    torch.manual_seed(1)
+    cos, sin = _rope(120, 64)
+    before = torch.randn(2, 120, 64) * 0.1 + torch.linspace(-3, 3, 64)  # each channel near a value of its own
+    keys, values = with_rope(before, cos, sin), torch.randn(2, 120, 64)
+    torch.testing.assert_close(without_rope(keys, cos, sin), before, rtol=1e-5, atol=1e-5)
+    sixteen = simulated_layer(keys, values, Bits(16), Simulation(keys_before_rope=True), (cos, sin))
+    torch.testing.assert_close(sixteen[0], keys, rtol=1e-5, atol=1e-5)  # nothing rounded: RoPE off and on again
+    bits = Bits.parse("4ug32/8")
+    after_rope = simulated_layer(keys, values, bits, Simulation())[0]
+    before_rope = simulated_layer(keys, values, bits, Simulation(keys_before_rope=True), (cos, sin))[0]
+    # channels alike before RoPE (KVQuant's case) round with a smaller error there than after it
+    assert (before_rope - keys).abs().mean() < 0.5 * (after_rope - keys).abs().mean()
+    with pytest.raises(ValueError, match="cos and sin"):
+        simulated_layer(keys, values, bits, Simulation(keys_before_rope=True))
+
+
+def test_a_simulated_tier_estimates_its_size_against_16_bits():
+    from snapkv.measure.simulated import Simulation, estimated_ratio
+
+    assert estimated_ratio(Bits(8), Simulation(), 6000, 64) == pytest.approx(32 / 18)  # 8 bits and 1 of scale each
+    assert estimated_ratio(Bits.parse("8/4g32"), Simulation(), 6000, 64) == pytest.approx(32 / 14)
+    with_exact = estimated_ratio(Bits.parse("8/4g32"), Simulation(sinks=4, recent=56), 6000, 64)
+    assert with_exact == pytest.approx(32 / (0.01 * 32 + 0.99 * 14))
+    assert estimated_ratio(Bits(16), Simulation(), 6000, 64) == 1.0

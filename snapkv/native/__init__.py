@@ -17,7 +17,9 @@ why, and callers stay on PyTorch. -ffp-contract=off applies to every file: the b
 product and a sum, not one FMA.
 
 Every exported function and struct is declared in snapkv/native/kernels/kernels.h; BINDINGS below declares the same to
-ctypes (tests/test_kernel_interface.py checks them against the header), and the limits are read from the library.
+ctypes (tests/test_kernel_interface.py checks them against the header), and the limits are read from the library. Each
+vector kernel has a scalar reference in kernels/reference.c, `<kernel>_generic` with the same arguments (REFERENCED),
+which snapkv never calls: tests/test_kernel_references.py compares every build's kernel with it.
 """
 
 import contextlib
@@ -37,7 +39,7 @@ from snapkv.base.ownership import private_folder, written_only_by_me
 from snapkv.base.paths import snapkv_home
 
 SOURCES = ("library.c", "blockwise_matmul.c", "dequantize.c", "few_rows.c", "dense_rows.c", "decode_step.c",
-           "window_cut.c", "coded_attention.c")
+           "window_cut.c", "coded_attention.c", "reference.c")
 HEADERS = ("kernels.h", "vectors.h", "portable_vectors.h", "simd.h", "tiles.h", "hadamard.h")  # part of the digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-ffp-contract=off", "-Wno-psabi", "-shared", "-fPIC")
@@ -117,6 +119,11 @@ BINDINGS: dict[str, tuple[object, tuple]] = {
     "part_columns": (None, (_pointer, _size, _size, _pointer)),
     "half_all_finite": (_int, (_pointer, _pointer, _size)),
 }
+# the vector kernels with a scalar reference (reference.c): `<name>_generic`, the same arguments
+REFERENCED = ("matmul_4bit", "matmul_8bit", "linear_rows", "linear_rows_blocks", "linear_rows_bf16", "matmul_dense",
+              "attend_rows", "attend_coded_and_cut", "dequantize_rows", "dequantize_positions", "decode_token",
+              "question_before_attention", "question_after_attention")
+BINDINGS.update({f"{name}_generic": BINDINGS[name] for name in REFERENCED})
 LIMITS = ("snapkv_max_rows", "snapkv_max_attention_head_dim", "snapkv_max_stored_head_dim", "snapkv_max_parts",
           "snapkv_max_decode_head_dim")
 

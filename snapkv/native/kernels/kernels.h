@@ -110,4 +110,45 @@ int part_rows(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t room,
 void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns);
 int half_all_finite(const uint16_t *const *arrays, const int64_t *counts, int64_t parts);
 
+/* ---- scalar references (reference.c): each vector kernel above as plain loops, the oracle the tests compare every
+ * build against; the same arguments as the kernel, `threads` ignored; never called by snapkv ---- */
+int matmul_4bit_generic(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
+                        const float *minimum, int64_t n, float *y, int threads);
+int matmul_8bit_generic(const float *x, int64_t rows, int64_t k, const int8_t *codes, const float *scale, int64_t n,
+                        float *y, int threads);
+int linear_rows_generic(const float *x, int64_t rows, int64_t k, const float *weight, int64_t n, float *y,
+                        int threads);
+int linear_rows_blocks_generic(const float *x, int64_t rows, int64_t k, int bits, const uint8_t *codes,
+                               const float *scale, const float *minimum, int64_t n, float *y, int threads);
+int linear_rows_bf16_generic(const float *x, int64_t rows, int64_t k, const void *weight, int64_t n, float *y,
+                             int threads);
+int matmul_dense_generic(const float *x, int64_t rows, int64_t k, const void *weight, int bf16, int64_t n, float *y,
+                         int threads);
+int attend_rows_generic(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                        const float *keys, int64_t key_head_stride, const float *values, int64_t value_head_stride,
+                        int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out,
+                        int64_t window, float *window_sums, int threads);
+int dequantize_rows_generic(const uint8_t *packed, const uint16_t *scale, const uint16_t *minimum, int64_t heads,
+                            int64_t tokens, int64_t head_dim, int bits, int along_tokens, int64_t group,
+                            int64_t rotation_block, const int64_t *destination, void *out, int out_kind,
+                            int threads);
+int dequantize_positions_generic(const void *const *part_pointers, const int64_t *part_shapes, int parts,
+                                 const int64_t *column_of, int64_t heads, int64_t stored, int64_t head_dim,
+                                 const int64_t *positions, int64_t kept, const float *question_rows, int64_t question,
+                                 float *out, int threads);
+int decode_token_generic(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
+                         const float *cos, const float *sin, int threads);
+int question_before_attention_generic(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
+                                      const float *hidden, const float *cos, const float *sin, float *normed,
+                                      float *query, float *key, float *value, int threads);
+int attend_coded_and_cut_generic(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                                 int64_t head_dim, int parts, const void *const *part_pointers,
+                                 const int64_t *part_shapes, int64_t rotation_block, int values_rotated,
+                                 const float *question_keys, const float *question_values, const uint8_t *sharp,
+                                 int kernel, int pooling, int64_t chunk, const int64_t *words, int64_t prefix_keep,
+                                 int64_t window, float *out, int64_t *indices, int64_t kept, float *keys_out,
+                                 float *values_out, int threads);
+int question_after_attention_generic(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
+                                     const float *attended, float *hidden, int threads);
+
 #endif
