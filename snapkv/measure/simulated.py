@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from snapkv.base.bits import Bits, Scheme
+from snapkv.engine.lean_decode import rotate_half
 from snapkv.storage.quantize import dequantize, quantize, stored_schemes
 
 SCALE_BITS = 32  # a group's fp16 scale and minimum
@@ -39,12 +40,6 @@ class Simulation:
         parts += [f"{self.key_outliers} outlier key channels exact"] if self.key_outliers else []
         parts += ["keys rounded before RoPE"] if self.keys_before_rope else []
         return ", ".join(parts) or "the tier as it is"
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """(..., head_dim) -> (-second half, first half): RoPE's pairing of channel i with i + head_dim / 2."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
 
 
 def without_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
