@@ -289,7 +289,13 @@ def run_simulate(argv: list[str]) -> int:
     try:
         main()
     except SystemExit as exit:
-        return exit.code if isinstance(exit.code, int) else 1
+        if exit.code not in (0, None):
+            return exit.code if isinstance(exit.code, int) else 1
+    output = next((theirs[i + 1] for i, a in enumerate(theirs[:-1]) if a in ("-o", "--output")), None)
+    if output:  # the results say which tier was simulated, and how
+        results = json.loads(Path(output).read_text())
+        results["simulated"] = {"tier": str(args.tier), "simulation": simulation.describe(), **asdict(simulation)}
+        Path(output).write_text(json.dumps(results))
     return 0
 
 

@@ -28,6 +28,8 @@ RESULTS: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("benchmarks/results/fidelity-storage-auto-2048-value-groups.json",), None),
     # values in 4 bits by 32, a sharper share of 10% or 20% in 8 bits; the 8 answers are the runs above's to the letter
     (("benchmarks/results/fidelity-storage-auto-2048-sharper.json",), None),
+    # keys in 4 bits per channel after RoPE, unrotated, by 32 tokens (4ug32/8); the 8 answers are the runs above's
+    (("benchmarks/results/fidelity-storage-auto-2048-keys-per-channel.json",), None),
 )
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "storage" / "measured.json"
 
