@@ -259,12 +259,23 @@ def run_simulate(argv: list[str]) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     ours, theirs = argv[:split], argv[split + 1:]  # this study's arguments, then snapkv eval fidelity's
     parser = argparse.ArgumentParser(description=SIMULATE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tier", required=True, type=Bits.parse, help="stored bits, as --store-bits (no sharper share)")
+    def tier(text: str) -> Bits:
+        try:
+            bits = Bits.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        if bits.share:
+            raise argparse.ArgumentTypeError("a sharper share is a tier the file holds: run it with snapkv eval fidelity")
+        return bits
+
+    parser.add_argument("--tier", required=True, type=tier, help="stored bits, as --store-bits (no sharper share)")
     parser.add_argument("--sinks", type=int, default=0, help="each head's first positions kept exact")
     parser.add_argument("--recent", type=int, default=0, help="each head's last positions kept exact")
     parser.add_argument("--key-outliers", type=int, default=0, help="key channels per head kept exact")
     parser.add_argument("--keys-before-rope", action="store_true", help="round the keys before RoPE")
     args = parser.parse_args(ours)
+    if min(args.sinks, args.recent, args.key_outliers) < 0:
+        parser.error("--sinks, --recent and --key-outliers count positions or channels: 0 or more")
     simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope)
     real = tiers.at_stored_precision
 
