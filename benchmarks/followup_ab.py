@@ -10,7 +10,8 @@ round; the per-round ratio is what to read. Both read the file the same way only
     .venv/bin/python benchmarks/followup_ab.py --other /tmp/base --tokens 8k --rounds 15
 
 A cache of --tokens (the needle haystack, default settings, budget 1024) is prefilled and saved by this checkout
-first, unless --file names one.
+first, unless --file names one. --decode N answers N tokens each round instead of one, and compares the decode's
+ms/token too (the same greedy tokens in both checkouts, unless an answer changed).
 """
 
 import argparse
@@ -24,8 +25,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 
 
-def worker(path: str) -> None:
-    """In a worker process: the model loaded once, then one follow-up per line read, its times printed."""
+def worker(path: str, tokens: int) -> None:
+    """In a worker process: the model loaded once, then one follow-up of `tokens` answer tokens per line read, its
+    times printed: the whole, the load, the first token, the decode's ms/token (0 for one token)."""
     import time
     from dataclasses import replace
 
@@ -43,9 +45,10 @@ def worker(path: str) -> None:
     for _ in sys.stdin:
         started = time.perf_counter()
         prepared = session.load_file(Path(path), check_sources=False)
-        answered = bench._answer(session, prepared, max_new_tokens=1, measure=False)
+        answered = bench._answer(session, prepared, max_new_tokens=tokens, measure=False)
         total = time.perf_counter() - started
-        print(f"{total:.4f} {prepared.load_seconds:.4f} {answered.ttft_seconds:.4f}", flush=True)
+        decode = answered.decode_ms_per_token if tokens > 1 else 0.0
+        print(f"{total:.4f} {prepared.load_seconds:.4f} {answered.ttft_seconds:.4f} {decode:.4f}", flush=True)
 
 
 def saved_cache(tokens: str, folder: str) -> str:
@@ -74,10 +77,10 @@ def saved_cache(tokens: str, folder: str) -> str:
     return path
 
 
-def start(root: Path, path: str) -> subprocess.Popen:
+def start(root: Path, path: str, tokens: int) -> subprocess.Popen:
     """A worker importing snapkv from `root` (its own checkout, not the one installed)."""
     environment = {**os.environ, "PYTHONPATH": str(root), "SNAPKV_FOLLOWUP_AB_ROOT": str(root)}
-    process = subprocess.Popen([sys.executable, __file__, "--worker", path], stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, __file__, "--worker", path, "--decode", str(tokens)], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True, env=environment)
     if process.stdout.readline().strip() != "ready":
         raise SystemExit(f"the worker for {root} did not start")
@@ -90,6 +93,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="8k")
     parser.add_argument("--file", help="a saved cache to answer (else one is made)")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--decode", type=int, default=1, metavar="N", help="answer tokens each round (default 1)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -98,13 +102,15 @@ def main() -> None:
             sys.meta_path[:] = [finder for finder in sys.meta_path if "editable" not in type(finder).__name__.lower()
                                 and "editable" not in getattr(finder, "__module__", "").lower()]
             sys.path.insert(0, root)
-        worker(args.worker)
+        worker(args.worker, max(1, args.decode))
         return
     if args.other is None:
         parser.error("--other is required")
     with tempfile.TemporaryDirectory() as folder:
         path = args.file or saved_cache(args.tokens, folder)
-        workers = {"this checkout": start(HERE, path), f"other ({args.other})": start(args.other.resolve(), path)}
+        tokens = max(1, args.decode)
+        workers = {"this checkout": start(HERE, path, tokens),
+                   f"other ({args.other})": start(args.other.resolve(), path, tokens)}
         times = {name: [] for name in workers}
         for round_index in range(args.rounds):
             order = list(workers.items())
@@ -119,10 +125,14 @@ def main() -> None:
         total, load, first = (1000 * statistics.median(row[i] for row in rounds[1:]) for i in range(3))
         print(f"{name}: {total:.0f} ms (load {load:.0f} + first token {first:.0f}), medians of rounds 2-{len(rounds)}; "
               f"every round: {[round(1000 * row[0]) for row in rounds]}")
+        if args.decode > 1:
+            print(f"{name}: decode {statistics.median(row[3] for row in rounds[1:]):.2f} ms/token, median of rounds "
+                  f"2-{len(rounds)}")
     mine, theirs = times.values()
-    ratios = [other[0] / own[0] for own, other in zip(mine, theirs)][1:]
-    print(f"other / this checkout, per round: median {statistics.median(ratios):.2f}x "
-          f"(rounds: {', '.join(f'{ratio:.2f}' for ratio in ratios)})")
+    for label, column in (("follow-up", 0), ("decode", 3)) if args.decode > 1 else (("follow-up", 0),):
+        ratios = [other[column] / own[column] for own, other in zip(mine, theirs)][1:]
+        print(f"{label}, other / this checkout, per round: median {statistics.median(ratios):.2f}x "
+              f"(rounds: {', '.join(f'{ratio:.2f}' for ratio in ratios)})")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ attention over a long cache and its products with fp32 weights, a decoded token 
 blocks, SnapKV's cut of a layer after a question): compiled once per machine with the system's C compiler into one
 shared library, loaded with ctypes.
 
-One source, three variants (snapkv/native/kernels/vectors.h): `avx512` and `avx2` in the CPU's own intrinsics (avx2 runs the
-16-lane kernels, such as a question's attention from a saved cache's codes, in plain C on 256-bit registers), and
-`generic` in plain C that any C compiler with GCC's vector extensions (gcc, clang) vectorizes for its target (arm64,
+One source, three variants. The kernels are written in a small vocabulary of vector operations (f32x8_fma,
+f32x16_load, ...), which snapkv/native/kernels/vectors.h maps, one header per vector width, to the CPU's own
+instructions or to plain C: `avx512` (lanes8_x86.h, lanes16_avx512.h), `avx2` (lanes8_x86.h; the 16-lane kernels,
+such as a question's attention from a saved cache's codes, in plain C: lanes16_plain.h), and `generic` (lanes8_plain.h,
+lanes16_plain.h: any C compiler with GCC's vector extensions, gcc or clang, vectorizes them for its target: arm64,
 an x86-64 CPU without AVX2). `SNAPKV_KERNELS` chooses: auto (the default: the widest the CPU runs), avx512, avx2,
 generic, or off (PyTorch's ops only, to measure against). A build with OpenMP is tried first, then one without (one
 thread; clang without libomp).
@@ -40,13 +42,14 @@ from snapkv.base.paths import snapkv_home
 
 SOURCES = ("library.c", "blockwise_matmul.c", "dequantize.c", "few_rows.c", "dense_rows.c", "decode_step.c",
            "window_cut.c", "coded_attention.c", "reference.c")
-HEADERS = ("kernels.h", "vectors.h", "portable_vectors.h", "simd.h", "tiles.h", "hadamard.h")  # part of the digest
+HEADERS = ("kernels.h", "vectors.h", "lanes8_x86.h", "lanes8_plain.h", "lanes16_avx512.h", "lanes16_plain.h", "simd.h",
+           "tiles.h", "hadamard.h")  # part of the digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-ffp-contract=off", "-Wno-psabi", "-shared", "-fPIC")
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the same sources for one thread
 VARIANT_FLAGS = {
-    "avx512": ("-mavx2", "-mfma", "-mf16c"),  # the 16-lane functions carry their own target (simd.h)
-    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DSNAPKV_EMULATED_WIDE"),
+    "avx512": ("-mavx2", "-mfma", "-mf16c"),  # the 16-lane functions carry their own target (lanes16_avx512.h)
+    "avx2": ("-mavx2", "-mfma", "-mf16c", "-DSNAPKV_PLAIN_WIDE"),
     "generic": ("-DSNAPKV_PORTABLE",),
 }
 SETTING = "SNAPKV_KERNELS"  # auto | avx512 | avx2 | generic | off

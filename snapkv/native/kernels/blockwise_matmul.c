@@ -27,7 +27,7 @@
  * snapkv.native loads only where the CPU has AVX-512 F, BW, VL and DQ); in the others, where they are plain C
  * (vectors.h), only on request (tests compare them with the 8-lane ones) and by what exists only 16 lanes wide
  * (coded_attention.c). */
-#define WIDE_BY_DEFAULT (!SNAPKV_WIDE_EMULATED)
+#define WIDE_BY_DEFAULT (!SNAPKV_WIDE_IS_PLAIN)
 static int wide_chosen = -1;  /* -1: not yet decided */
 
 /* request 1 or 0 to choose, -1 to ask; returns the choice in force after the call. */
@@ -47,59 +47,57 @@ __attribute__((always_inline)) static inline void prefetch_ahead(const void *cod
     if (minimum) prefetch_bytes(minimum + (out + AHEAD) * blocks, blocks * (int64_t)sizeof(float));
 }
 
-static inline __m256 bytes_to_floats(__m128i eight_bytes_low, int is_signed) {
-    __m256i widened = is_signed ? _mm256_cvtepi8_epi32(eight_bytes_low) : _mm256_cvtepu8_epi32(eight_bytes_low);
-    return _mm256_cvtepi32_ps(widened);
+static inline f32x8 bytes_to_floats(u8x16 eight_bytes_low, int is_signed) {
+    i32x8 widened = is_signed ? i32x8_from_i8(eight_bytes_low) : i32x8_from_u8(eight_bytes_low);
+    return i32x8_to_floats(widened);
 }
 
 /* The block's 32 codes (as floats, 8 per vector) times the 32 activations xs, summed per lane. */
-static inline __m256 block_products(__m256 q0, __m256 q1, __m256 q2, __m256 q3, const float *xs) {
-    __m256 dot = _mm256_mul_ps(q0, _mm256_loadu_ps(xs));
-    dot = _mm256_fmadd_ps(q1, _mm256_loadu_ps(xs + 8), dot);
-    dot = _mm256_fmadd_ps(q2, _mm256_loadu_ps(xs + 16), dot);
-    return _mm256_fmadd_ps(q3, _mm256_loadu_ps(xs + 24), dot);
+static inline f32x8 block_products(f32x8 q0, f32x8 q1, f32x8 q2, f32x8 q3, const float *xs) {
+    f32x8 dot = f32x8_mul(q0, f32x8_load(xs));
+    dot = f32x8_fma(q1, f32x8_load(xs + 8), dot);
+    dot = f32x8_fma(q2, f32x8_load(xs + 16), dot);
+    return f32x8_fma(q3, f32x8_load(xs + 24), dot);
 }
 
 /* The minimum's share of one output: sum over blocks of minimum[b] * block_sums[b]. */
 WIDE static inline float minimum_share_wide(const float *minimum, const float *block_sums, int64_t blocks) {
-    __m512 share = _mm512_setzero_ps();
+    f32x16 share = f32x16_zero();
     int64_t b = 0;
     for (; b + 16 <= blocks; b += 16)
-        share = _mm512_fmadd_ps(_mm512_loadu_ps(minimum + b), _mm512_loadu_ps(block_sums + b), share);
+        share = f32x16_fma(f32x16_load(minimum + b), f32x16_load(block_sums + b), share);
     if (b < blocks) {
-        const __mmask16 rest = (__mmask16)((1u << (blocks - b)) - 1);
-        share = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(rest, minimum + b), _mm512_maskz_loadu_ps(rest, block_sums + b),
+        const mask16 rest = (mask16)((1u << (blocks - b)) - 1);
+        share = f32x16_fma(f32x16_load_masked(rest, minimum + b), f32x16_load_masked(rest, block_sums + b),
                                 share);
     }
-    return _mm512_reduce_add_ps(share);
+    return f32x16_sum(share);
 }
 
 /* A block's 32 codes, as two vectors of 16 floats (elements 0..15, 16..31), times its 32 activations xs: the
  * products summed per lane. */
-WIDE static inline __m512 block_products_wide(__m512 first, __m512 second, const float *xs) {
-    return _mm512_fmadd_ps(second, _mm512_loadu_ps(xs + 16), _mm512_mul_ps(first, _mm512_loadu_ps(xs)));
+WIDE static inline f32x16 block_products_wide(f32x16 first, f32x16 second, const float *xs) {
+    return f32x16_fma(second, f32x16_load(xs + 16), f32x16_mul(first, f32x16_load(xs)));
 }
 
 /* y (n) = x (k) @ W^T for 4-bit blocks, 16 floats a vector: a block's codes 0..15 and 16..31 each one vector. */
 WIDE static void one_row_4bit_wide(const float *x, int64_t blocks, const uint8_t *codes, const float *scale,
                                    const float *minimum, const float *block_sums, int64_t n, float *y, int threads) {
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
         prefetch_ahead(codes, blocks * (BLOCK / 2), scale, minimum, blocks, out);
         const uint8_t *row_codes = codes + out * blocks * (BLOCK / 2);
         const float *row_scale = scale + out * blocks;
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        f32x16 even = f32x16_zero(), odd = f32x16_zero();
         for (int64_t b = 0; b < blocks; b++) {
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(row_codes + b * (BLOCK / 2)));
-            const __m128i low = _mm_and_si128(packed, low_nibbles);                      /* elements 0..15 */
-            const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);  /* elements 16..31 */
-            const __m512 products = block_products_wide(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)),
-                                                        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), x + b * BLOCK);
-            if (b & 1) odd = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), odd);  /* two chains of FMAs */
-            else even = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), even);
+            const u8x16 packed = u8x16_load(row_codes + b * (BLOCK / 2));
+            const f32x16 products = block_products_wide(f32x16_from_u8(u8x16_low_nibbles(packed)),   /* 0..15 */
+                                                        f32x16_from_u8(u8x16_high_nibbles(packed)),  /* 16..31 */
+                                                        x + b * BLOCK);
+            if (b & 1) odd = f32x16_fma(products, f32x16_splat(row_scale[b]), odd);  /* two chains of FMAs */
+            else even = f32x16_fma(products, f32x16_splat(row_scale[b]), even);
         }
-        y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd))
+        y[out] = f32x16_sum(f32x16_add(even, odd))
                  + minimum_share_wide(minimum + out * blocks, block_sums, blocks);
     }
 }
@@ -112,17 +110,15 @@ WIDE static void one_row_8bit_wide(const float *x, int64_t blocks, const int8_t 
         prefetch_ahead(codes, blocks * BLOCK, scale, NULL, blocks, out);
         const int8_t *row_codes = codes + out * blocks * BLOCK;
         const float *row_scale = scale + out * blocks;
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        f32x16 even = f32x16_zero(), odd = f32x16_zero();
         for (int64_t b = 0; b < blocks; b++) {
-            const __m128i first = _mm_loadu_si128((const __m128i *)(row_codes + b * BLOCK));
-            const __m128i second = _mm_loadu_si128((const __m128i *)(row_codes + b * BLOCK + 16));
-            const __m512 products = block_products_wide(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)),
-                                                        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)),
+            const f32x16 products = block_products_wide(f32x16_from_i8(u8x16_load(row_codes + b * BLOCK)),
+                                                        f32x16_from_i8(u8x16_load(row_codes + b * BLOCK + 16)),
                                                         x + b * BLOCK);
-            if (b & 1) odd = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), odd);
-            else even = _mm512_fmadd_ps(products, _mm512_set1_ps(row_scale[b]), even);
+            if (b & 1) odd = f32x16_fma(products, f32x16_splat(row_scale[b]), odd);
+            else even = f32x16_fma(products, f32x16_splat(row_scale[b]), even);
         }
-        y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+        y[out] = f32x16_sum(f32x16_add(even, odd));
     }
 }
 
@@ -139,7 +135,6 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
             for (int j = 0; j < BLOCK; j++) total += x[r * k + b * BLOCK + j];
             block_sums[r * blocks + b] = total;
         }
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
     if (rows == 1 && wide_vectors(-1)) {
         one_row_4bit_wide(x, blocks, codes, scale, minimum, block_sums, n, y, threads);
         free(block_sums);
@@ -149,47 +144,45 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
 #pragma omp parallel for num_threads(threads) schedule(static)
         for (int64_t out = 0; out < n; out++) {
             prefetch_ahead(codes, blocks * (BLOCK / 2), scale, minimum, blocks, out);
-            __m256 accumulated = _mm256_setzero_ps();
+            f32x8 accumulated = f32x8_zero();
             float from_minimum = 0.0f;
             const uint8_t *row_codes = codes + out * blocks * (BLOCK / 2);
             for (int64_t b = 0; b < blocks; b++) {
-                __m128i packed = _mm_loadu_si128((const __m128i *)(row_codes + b * (BLOCK / 2)));
-                __m128i low = _mm_and_si128(packed, low_nibbles);
-                __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+                u8x16 packed = u8x16_load(row_codes + b * (BLOCK / 2));
+                u8x16 low = u8x16_low_nibbles(packed), high = u8x16_high_nibbles(packed);
                 const float *xs = x + b * BLOCK;
-                __m256 dot = _mm256_mul_ps(bytes_to_floats(low, 0), _mm256_loadu_ps(xs));
-                __m256 dot2 = _mm256_mul_ps(bytes_to_floats(_mm_srli_si128(low, 8), 0), _mm256_loadu_ps(xs + 8));
-                dot = _mm256_fmadd_ps(bytes_to_floats(high, 0), _mm256_loadu_ps(xs + 16), dot);
-                dot2 = _mm256_fmadd_ps(bytes_to_floats(_mm_srli_si128(high, 8), 0), _mm256_loadu_ps(xs + 24), dot2);
-                accumulated = _mm256_fmadd_ps(_mm256_add_ps(dot, dot2), _mm256_set1_ps(scale[out * blocks + b]),
+                f32x8 dot = f32x8_mul(bytes_to_floats(low, 0), f32x8_load(xs));
+                f32x8 dot2 = f32x8_mul(bytes_to_floats(u8x16_high_half(low), 0), f32x8_load(xs + 8));
+                dot = f32x8_fma(bytes_to_floats(high, 0), f32x8_load(xs + 16), dot);
+                dot2 = f32x8_fma(bytes_to_floats(u8x16_high_half(high), 0), f32x8_load(xs + 24), dot2);
+                accumulated = f32x8_fma(f32x8_add(dot, dot2), f32x8_splat(scale[out * blocks + b]),
                                               accumulated);
                 from_minimum += minimum[out * blocks + b] * block_sums[b];
             }
-            y[out] = lane_sum(accumulated) + from_minimum;
+            y[out] = f32x8_sum(accumulated) + from_minimum;
         }
         free(block_sums);
         return 0;
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
-        __m256 accumulated[MAX_ROWS];
+        f32x8 accumulated[MAX_ROWS];
         float from_minimum[MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) { accumulated[r] = _mm256_setzero_ps(); from_minimum[r] = 0.0f; }
+        for (int64_t r = 0; r < rows; r++) { accumulated[r] = f32x8_zero(); from_minimum[r] = 0.0f; }
         for (int64_t b = 0; b < blocks; b++) {
-            __m128i packed = _mm_loadu_si128((const __m128i *)(codes + (out * blocks + b) * (BLOCK / 2)));
-            __m128i low = _mm_and_si128(packed, low_nibbles);                      /* elements 0..15 */
-            __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);  /* elements 16..31 */
-            __m256 q0 = bytes_to_floats(low, 0), q1 = bytes_to_floats(_mm_srli_si128(low, 8), 0);
-            __m256 q2 = bytes_to_floats(high, 0), q3 = bytes_to_floats(_mm_srli_si128(high, 8), 0);
-            __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
+            u8x16 packed = u8x16_load(codes + (out * blocks + b) * (BLOCK / 2));
+            u8x16 low = u8x16_low_nibbles(packed), high = u8x16_high_nibbles(packed);  /* elements 0..15, 16..31 */
+            f32x8 q0 = bytes_to_floats(low, 0), q1 = bytes_to_floats(u8x16_high_half(low), 0);
+            f32x8 q2 = bytes_to_floats(high, 0), q3 = bytes_to_floats(u8x16_high_half(high), 0);
+            f32x8 block_scale = f32x8_splat(scale[out * blocks + b]);
             float block_minimum = minimum[out * blocks + b];
             for (int64_t r = 0; r < rows; r++) {
-                __m256 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);
-                accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
+                f32x8 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);
+                accumulated[r] = f32x8_fma(dot, block_scale, accumulated[r]);
                 from_minimum[r] += block_minimum * block_sums[r * blocks + b];
             }
         }
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = lane_sum(accumulated[r]) + from_minimum[r];
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = f32x8_sum(accumulated[r]) + from_minimum[r];
     }
     free(block_sums);
     return 0;
@@ -206,21 +199,21 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
         if (rows == 1) prefetch_ahead(codes, blocks * BLOCK, scale, NULL, blocks, out);
-        __m256 accumulated[MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) accumulated[r] = _mm256_setzero_ps();
+        f32x8 accumulated[MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) accumulated[r] = f32x8_zero();
         for (int64_t b = 0; b < blocks; b++) {
             const int8_t *block = codes + (out * blocks + b) * BLOCK;
-            __m256 q0 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)block), 1);
-            __m256 q1 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 8)), 1);
-            __m256 q2 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 16)), 1);
-            __m256 q3 = bytes_to_floats(_mm_loadl_epi64((const __m128i *)(block + 24)), 1);
-            __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
+            f32x8 q0 = bytes_to_floats(u8x16_load8(block), 1);
+            f32x8 q1 = bytes_to_floats(u8x16_load8(block + 8), 1);
+            f32x8 q2 = bytes_to_floats(u8x16_load8(block + 16), 1);
+            f32x8 q3 = bytes_to_floats(u8x16_load8(block + 24), 1);
+            f32x8 block_scale = f32x8_splat(scale[out * blocks + b]);
             for (int64_t r = 0; r < rows; r++) {
-                __m256 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);
-                accumulated[r] = _mm256_fmadd_ps(dot, block_scale, accumulated[r]);
+                f32x8 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);
+                accumulated[r] = f32x8_fma(dot, block_scale, accumulated[r]);
             }
         }
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = lane_sum(accumulated[r]);
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = f32x8_sum(accumulated[r]);
     }
     return 0;
 }

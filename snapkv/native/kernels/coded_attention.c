@@ -50,8 +50,8 @@ typedef struct {
  * takes the two bytes its code starts in (vpshufb picks them from the 16 bytes loaded, repeated in every 128-bit
  * lane), shifts right by where in the first byte the code starts, and keeps `bits` bits. */
 typedef struct {
-    __m512i pick, shift, keep;
-    __mmask16 bytes;
+    i32x16 pick, shift, keep;
+    mask16 bytes;
 } unpacker;
 
 WIDE static unpacker unpacker_for(int bits) {
@@ -65,18 +65,18 @@ WIDE static unpacker unpacker_for(int bits) {
         shift[i] = i * bits & 7;
     }
     unpacker u;
-    u.pick = _mm512_loadu_si512(pick);
-    u.shift = _mm512_loadu_si512(shift);
-    u.keep = _mm512_set1_epi32((1 << bits) - 1);
-    u.bytes = (__mmask16)(bits == 8 ? 0xFFFF : (1u << (2 * bits)) - 1);
+    u.pick = i32x16_load(pick);
+    u.shift = i32x16_load(shift);
+    u.keep = i32x16_splat((1 << bits) - 1);
+    u.bytes = (mask16)(bits == 8 ? 0xFFFF : (1u << (2 * bits)) - 1);
     return u;
 }
 
 /* 16 codes starting at `bytes` (a whole byte), times scale plus minimum: multiplied, then added. */
-WIDE static inline __m512 decoded_16(const uint8_t *bytes, const unpacker *u, float scale, float minimum) {
-    const __m512i raw = _mm512_broadcast_i32x4(_mm_maskz_loadu_epi8(u->bytes, bytes));
-    const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(_mm512_shuffle_epi8(raw, u->pick), u->shift), u->keep);
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), _mm512_set1_ps(scale)), _mm512_set1_ps(minimum));
+WIDE static inline f32x16 decoded_16(const uint8_t *bytes, const unpacker *u, float scale, float minimum) {
+    const i32x16 raw = i32x16_repeat_bytes(u->bytes, bytes);
+    const i32x16 codes = i32x16_and(i32x16_shift_right_each(i32x16_pick_bytes(raw, u->pick), u->shift), u->keep);
+    return f32x16_add(f32x16_mul(i32x16_to_floats(codes), f32x16_splat(scale)), f32x16_splat(minimum));
 }
 
 /* tile (head_dim, WIDE_TILE): head h's keys first..first + 63 of part p, channel-major as they are stored; zero past
@@ -87,13 +87,13 @@ WIDE static void key_tile(const part *p, const unpacker *u, int64_t h, int64_t f
         const int64_t channel = (h * head_dim + c) * k->groups;  /* channel c's first group */
         for (int v = 0; v < WIDE_TILE / 16; v++) {
             const int64_t t = first + 16 * v;
-            __m512 x = _mm512_setzero_ps();
+            f32x16 x = f32x16_zero();
             if (t < p->tokens) {  /* 16 tokens inside one group: groups are multiples of 16 */
                 const int64_t at = channel + t / k->group;
-                x = decoded_16(k->codes + at * k->group_bytes + (t % k->group) * k->bits / 8, u, _cvtsh_ss(k->scale[at]),
-                               _cvtsh_ss(k->minimum[at]));
+                x = decoded_16(k->codes + at * k->group_bytes + (t % k->group) * k->bits / 8, u,
+                               half_to_float(k->scale[at]), half_to_float(k->minimum[at]));
             }
-            _mm512_store_ps(tile + c * WIDE_TILE + 16 * v, x);
+            f32x16_store_aligned(tile + c * WIDE_TILE + 16 * v, x);
         }
     }
 }
@@ -106,9 +106,9 @@ WIDE static void value_tile(const part *p, const unpacker *u, int64_t h, int64_t
         const int64_t row = (h * p->tokens + first + i) * v->groups;  /* the token's first group */
         for (int64_t c = 0; c < head_dim; c += 16) {
             const int64_t at = row + c / v->group;
-            _mm512_store_ps(tile + i * head_dim + c,
-                            decoded_16(v->codes + at * v->group_bytes + (c % v->group) * v->bits / 8, u, _cvtsh_ss(v->scale[at]),
-                                       _cvtsh_ss(v->minimum[at])));
+            f32x16_store_aligned(tile + i * head_dim + c,
+                                 decoded_16(v->codes + at * v->group_bytes + (c % v->group) * v->bits / 8, u,
+                                            half_to_float(v->scale[at]), half_to_float(v->minimum[at])));
         }
     }
 }
@@ -289,12 +289,12 @@ WIDE static int attend_coded_wide(const float *query, const float *rotated_query
                     const int64_t row = g * question + q, r = h * rows + row;
                     const float reference = references[(h * tiles + t) * rows + row];
                     if (reference == -INFINITY) continue;
-                    const __m512 factor = _mm512_set1_ps(expf(reference - finals[2 * r]) * finals[2 * r + 1]);
+                    const f32x16 factor = f32x16_splat(expf(reference - finals[2 * r]) * finals[2 * r + 1]);
                     const float *numerators = weights + r * tokens + column;
                     for (int v = 0; v * 16 < count; v++) {
-                        const __mmask16 lanes = columns_before(count, v);
-                        const __m512 added = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, numerators + 16 * v), factor);
-                        _mm512_mask_storeu_ps(sums + 16 * v, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + 16 * v), added));
+                        const mask16 lanes = columns_before(count, v);
+                        const f32x16 added = f32x16_mul(f32x16_load_masked(lanes, numerators + 16 * v), factor);
+                        f32x16_store_masked(sums + 16 * v, lanes, f32x16_add(f32x16_load_masked(lanes, sums + 16 * v), added));
                     }
                 }
             }
@@ -331,7 +331,7 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
                          const float *question_values, const uint8_t *sharp, int kernel, int pooling, int64_t chunk,
                          const int64_t *words, int64_t prefix_keep, int64_t window, float *out, int64_t *indices,
                          int64_t kept, float *keys_out, float *values_out, int threads) {
-    if (!(wide_vectors(-1) || SNAPKV_WIDE_EMULATED) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
+    if (!(wide_vectors(-1) || SNAPKV_WIDE_IS_PLAIN) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
         || window < 1 || window > question || prefix_keep < 0 || head_dim > MAX_HEAD_DIM
         || (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)))
         return -1;

@@ -51,13 +51,13 @@ static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
-    __m256 squares = _mm256_setzero_ps();
+    f32x8 squares = f32x8_zero();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 v = _mm256_loadu_ps(x + j);
-        squares = _mm256_fmadd_ps(v, v, squares);
+        const f32x8 v = f32x8_load(x + j);
+        squares = f32x8_fma(v, v, squares);
     }
-    float total = lane_sum(squares);
+    float total = f32x8_sum(squares);
     for (; j < n; j++) total += x[j] * x[j];
     const float inverse = 1.0f / sqrtf(total / (float)n + eps);
     for (j = 0; j < n; j++) out[j] = weight[j] * (x[j] * inverse);
@@ -91,14 +91,6 @@ int rope_rows(const float *x, int64_t rows, int64_t heads, int64_t head_dim, con
     return 0;
 }
 
-/* [sum(a0), ..., sum(a7)]: the lanes of each of eight vectors added. */
-static inline __m256 eight_sums(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
-                                __m256 a7) {
-    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
 #define ROWS_AHEAD 8  /* keys or values ahead of the one read that the attention prefetches */
 
 /* One KV head's keys or values as the attention reads them: rows [0, held_rows) where the question's pass left
@@ -112,8 +104,8 @@ typedef struct {
 
 /* The 8 values from element `index` of `buffer` as floats: fp32 as they are, bf16 exactly widened. Inlined where
  * `bf16` is a constant, so each loop below is compiled once per element type. */
-__attribute__((always_inline)) static inline __m256 row_floats(const void *buffer, int64_t index, const int bf16) {
-    return bf16 ? bf16_as_floats((const uint16_t *)buffer + index) : _mm256_loadu_ps((const float *)buffer + index);
+__attribute__((always_inline)) static inline f32x8 row_floats(const void *buffer, int64_t index, const int bf16) {
+    return bf16 ? f32x8_from_bf16((const uint16_t *)buffer + index) : f32x8_load((const float *)buffer + index);
 }
 
 /* Row t of `rows` (head_dim values) as floats into out. */
@@ -122,40 +114,40 @@ static void row_as_floats(const kv_rows *rows, int64_t t, int64_t head_dim, floa
         memcpy(out, rows->answer + (t - rows->held_rows) * head_dim, sizeof(float) * (size_t)head_dim);
     } else if (rows->bf16) {
         const uint16_t *row = (const uint16_t *)rows->held + t * head_dim;
-        for (int64_t c = 0; c < head_dim; c += 8) _mm256_storeu_ps(out + c, bf16_as_floats(row + c));
+        for (int64_t c = 0; c < head_dim; c += 8) f32x8_store(out + c, f32x8_from_bf16(row + c));
     } else {
         memcpy(out, (const float *)rows->held + t * head_dim, sizeof(float) * (size_t)head_dim);
     }
 }
 
 /* query . key for the 8 keys from element `start` of `keys` (rows head_dim apart). */
-__attribute__((always_inline)) static inline __m256 eight_scores(const float *query, const void *keys, int64_t start,
+__attribute__((always_inline)) static inline f32x8 eight_scores(const float *query, const void *keys, int64_t start,
                                                                   int64_t head_dim, const int bf16) {
     const int64_t value_bytes = bf16 ? 2 : 4;
     prefetch_bytes((const char *)keys + (start + ROWS_AHEAD * head_dim) * value_bytes, 8 * head_dim * value_bytes);
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    f32x8 a0 = f32x8_zero(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int64_t c = 0; c < head_dim; c += 8) {
-        const __m256 q = _mm256_loadu_ps(query + c);
+        const f32x8 q = f32x8_load(query + c);
         const int64_t k = start + c;
-        a0 = _mm256_fmadd_ps(q, row_floats(keys, k, bf16), a0);
-        a1 = _mm256_fmadd_ps(q, row_floats(keys, k + head_dim, bf16), a1);
-        a2 = _mm256_fmadd_ps(q, row_floats(keys, k + 2 * head_dim, bf16), a2);
-        a3 = _mm256_fmadd_ps(q, row_floats(keys, k + 3 * head_dim, bf16), a3);
-        a4 = _mm256_fmadd_ps(q, row_floats(keys, k + 4 * head_dim, bf16), a4);
-        a5 = _mm256_fmadd_ps(q, row_floats(keys, k + 5 * head_dim, bf16), a5);
-        a6 = _mm256_fmadd_ps(q, row_floats(keys, k + 6 * head_dim, bf16), a6);
-        a7 = _mm256_fmadd_ps(q, row_floats(keys, k + 7 * head_dim, bf16), a7);
+        a0 = f32x8_fma(q, row_floats(keys, k, bf16), a0);
+        a1 = f32x8_fma(q, row_floats(keys, k + head_dim, bf16), a1);
+        a2 = f32x8_fma(q, row_floats(keys, k + 2 * head_dim, bf16), a2);
+        a3 = f32x8_fma(q, row_floats(keys, k + 3 * head_dim, bf16), a3);
+        a4 = f32x8_fma(q, row_floats(keys, k + 4 * head_dim, bf16), a4);
+        a5 = f32x8_fma(q, row_floats(keys, k + 5 * head_dim, bf16), a5);
+        a6 = f32x8_fma(q, row_floats(keys, k + 6 * head_dim, bf16), a6);
+        a7 = f32x8_fma(q, row_floats(keys, k + 7 * head_dim, bf16), a7);
     }
-    return eight_sums(a0, a1, a2, a3, a4, a5, a6, a7);
+    return f32x8_sums_of_eight(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
 /* query . key for the key at element `start` of `keys`. */
 __attribute__((always_inline)) static inline float one_score(const float *query, const void *keys, int64_t start,
                                                              int64_t head_dim, const int bf16) {
-    __m256 a = _mm256_setzero_ps();
+    f32x8 a = f32x8_zero();
     for (int64_t c = 0; c < head_dim; c += 8)
-        a = _mm256_fmadd_ps(_mm256_loadu_ps(query + c), row_floats(keys, start + c, bf16), a);
-    return lane_sum(a);
+        a = f32x8_fma(f32x8_load(query + c), row_floats(keys, start + c, bf16), a);
+    return f32x8_sum(a);
 }
 
 /* scores[t] = query . keys[t] for t in [first, end). Eight keys at a time from the same t as over one buffer, so the
@@ -165,7 +157,7 @@ static void dot_keys(const float *query, const kv_rows *keys, int64_t first, int
     const int64_t held = keys->held_rows;
     int64_t t = first;
     for (; t + 8 <= end; t += 8) {
-        __m256 eight;
+        f32x8 eight;
         if (t >= held) {
             eight = eight_scores(query, keys->answer, (t - held) * head_dim, head_dim, 0);
         } else if (t + 8 <= held) {
@@ -176,7 +168,7 @@ static void dot_keys(const float *query, const kv_rows *keys, int64_t first, int
             for (int r = 0; r < 8; r++) row_as_floats(keys, t + r, head_dim, rows + r * head_dim);
             eight = eight_scores(query, rows, 0, head_dim, 0);
         }
-        _mm256_storeu_ps(scores + t, eight);
+        f32x8_store(scores + t, eight);
     }
     for (; t < end; t++) {
         if (t >= held) scores[t] = one_score(query, keys->answer, (t - held) * head_dim, head_dim, 0);
@@ -197,21 +189,21 @@ __attribute__((always_inline)) static inline void weigh_values(const float *cons
                                                                 const int blocks, int64_t live, float *target,
                                                                 int64_t target_stride, const int bf16, int carry) {
     const int64_t value_bytes = bf16 ? 2 : 4;
-    __m256 sums[VALUE_ROWS][4];
+    f32x8 sums[VALUE_ROWS][4];
     for (int i = 0; i < VALUE_ROWS; i++)
         for (int b = 0; b < 4; b++)
-            sums[i][b] = carry && i < live && b < blocks ? _mm256_loadu_ps(target + i * target_stride + 8 * b)
-                                                         : _mm256_setzero_ps();
+            sums[i][b] = carry && i < live && b < blocks ? f32x8_load(target + i * target_stride + 8 * b)
+                                                         : f32x8_zero();
     for (int64_t t = first, row_start = 0; t < end; t++, row_start += head_dim) {
         prefetch_bytes((const char *)v + (row_start + ROWS_AHEAD * head_dim) * value_bytes, 8 * blocks * value_bytes);
         for (int b = 0; b < blocks; b++) {
-            const __m256 row = row_floats(v, row_start + 8 * b, bf16);
+            const f32x8 row = row_floats(v, row_start + 8 * b, bf16);
             for (int i = 0; i < VALUE_ROWS; i++)
-                sums[i][b] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[i] + t), row, sums[i][b]);
+                sums[i][b] = f32x8_fma(f32x8_splat_at(w[i] + t), row, sums[i][b]);
         }
     }
     for (int i = 0; i < live; i++)
-        for (int b = 0; b < blocks; b++) _mm256_storeu_ps(target + i * target_stride + 8 * b, sums[i][b]);
+        for (int b = 0; b < blocks; b++) f32x8_store(target + i * target_stride + 8 * b, sums[i][b]);
 }
 
 /* The values of rows [first, end) of one KV head (the cache's part, then the answer's) weighed for up to VALUE_ROWS
@@ -292,22 +284,22 @@ static void attend_one(const float *query, int64_t heads, int64_t kv_heads, int6
 #pragma omp for schedule(static)
         for (int64_t h = 0; h < heads; h++)
             for (int64_t c = 0; c < head_dim; c += 8) {
-                __m256 total = _mm256_loadu_ps(partial + h * head_dim + c);
+                f32x8 total = f32x8_load(partial + h * head_dim + c);
                 for (int64_t chunk = 1; chunk < chunks; chunk++)
-                    total = _mm256_add_ps(total, _mm256_loadu_ps(partial + (chunk * heads + h) * head_dim + c));
-                _mm256_storeu_ps(out + h * head_dim + c, total);
+                    total = f32x8_add(total, f32x8_load(partial + (chunk * heads + h) * head_dim + c));
+                f32x8_store(out + h * head_dim + c, total);
             }
     }
 }
 
 /* x / (1 + e^-x), the input clamped where e^-x would overflow (the result there is 0 in fp32 anyway). */
 static void silu_times(const float *gate, const float *up, int64_t n, float *out) {
-    const __m256 one = _mm256_set1_ps(1.0f), highest = _mm256_set1_ps(88.0f);
+    const f32x8 one = f32x8_splat(1.0f), highest = f32x8_splat(88.0f);
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 x = _mm256_loadu_ps(gate + j);
-        const __m256 e = exp_8(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), highest));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + j)));
+        const f32x8 x = f32x8_load(gate + j);
+        const f32x8 e = exp_8(f32x8_min(f32x8_sub(f32x8_zero(), x), highest));
+        f32x8_store(out + j, f32x8_mul(f32x8_div(x, f32x8_add(one, e)), f32x8_load(up + j)));
     }
     for (; j < n; j++) out[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
 }

@@ -26,65 +26,59 @@ static void one_row(const float *x, int64_t k, const void *weight, int bf16, int
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
         if (out + AHEAD < n) prefetch_bytes((const char *)weight + (out + AHEAD) * row_bytes, row_bytes);
-        __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        f32x8 even = f32x8_zero(), odd = f32x8_zero();
         int64_t j = 0;
         if (bf16) {
             const uint16_t *w = (const uint16_t *)weight + out * k;
             for (; j + 16 <= k; j += 16) {
-                even = _mm256_fmadd_ps(bf16_as_floats(w + j), _mm256_loadu_ps(x + j), even);
-                odd = _mm256_fmadd_ps(bf16_as_floats(w + j + 8), _mm256_loadu_ps(x + j + 8), odd);
+                even = f32x8_fma(f32x8_from_bf16(w + j), f32x8_load(x + j), even);
+                odd = f32x8_fma(f32x8_from_bf16(w + j + 8), f32x8_load(x + j + 8), odd);
             }
-            if (j < k) even = _mm256_fmadd_ps(bf16_as_floats(w + j), _mm256_loadu_ps(x + j), even);
+            if (j < k) even = f32x8_fma(f32x8_from_bf16(w + j), f32x8_load(x + j), even);
         } else {
             const float *w = (const float *)weight + out * k;
             for (; j + 16 <= k; j += 16) {
-                even = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), even);
-                odd = _mm256_fmadd_ps(_mm256_loadu_ps(w + j + 8), _mm256_loadu_ps(x + j + 8), odd);
+                even = f32x8_fma(f32x8_load(w + j), f32x8_load(x + j), even);
+                odd = f32x8_fma(f32x8_load(w + j + 8), f32x8_load(x + j + 8), odd);
             }
-            if (j < k) even = _mm256_fmadd_ps(_mm256_loadu_ps(w + j), _mm256_loadu_ps(x + j), even);
+            if (j < k) even = f32x8_fma(f32x8_load(w + j), f32x8_load(x + j), even);
         }
-        y[out] = lane_sum(_mm256_add_ps(even, odd));
+        y[out] = f32x8_sum(f32x8_add(even, odd));
     }
 }
 
-#if !SNAPKV_WIDE_EMULATED
-/* one_row with 16 floats a vector (the avx512 variant only: the others have no 16-lane widening of bf16). */
+#if !SNAPKV_WIDE_IS_PLAIN
+/* one_row with 16 floats a vector (the avx512 variant only: where the 16 lanes are plain C, one_row is used). */
 WIDE static void one_row_wide(const float *x, int64_t k, const void *weight, int bf16, int64_t n, float *y,
                               int threads) {
     const int64_t row_bytes = k * (bf16 ? 2 : 4);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
         if (out + AHEAD < n) prefetch_bytes((const char *)weight + (out + AHEAD) * row_bytes, row_bytes);
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+        f32x16 even = f32x16_zero(), odd = f32x16_zero();
         int64_t j = 0;
         if (bf16) {
             const uint16_t *w = (const uint16_t *)weight + out * k;
             for (; j + 32 <= k; j += 32) {
-                const __m512i first = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j)));
-                const __m512i second = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j + 16)));
-                even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(first, 16)), _mm512_loadu_ps(x + j), even);
-                odd = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(second, 16)), _mm512_loadu_ps(x + j + 16),
-                                      odd);
+                even = f32x16_fma(f32x16_from_bf16(w + j), f32x16_load(x + j), even);
+                odd = f32x16_fma(f32x16_from_bf16(w + j + 16), f32x16_load(x + j + 16), odd);
             }
             for (; j < k; j += 8) {  /* the last 8 to 24 of a row */
-                const __mmask16 eight = 0xFF;
-                const __m512i widened = _mm512_cvtepu16_epi32(_mm256_castsi128_si256(
-                    _mm_loadu_si128((const __m128i *)(w + j))));
-                even = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(widened, 16)),
-                                       _mm512_maskz_loadu_ps(eight, x + j), even);
+                const mask16 eight = 0xFF;
+                even = f32x16_fma(f32x16_from_bf16_8(w + j), f32x16_load_masked(eight, x + j), even);
             }
         } else {
             const float *w = (const float *)weight + out * k;
             for (; j + 32 <= k; j += 32) {
-                even = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), even);
-                odd = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(x + j + 16), odd);
+                even = f32x16_fma(f32x16_load(w + j), f32x16_load(x + j), even);
+                odd = f32x16_fma(f32x16_load(w + j + 16), f32x16_load(x + j + 16), odd);
             }
             for (; j < k; j += 8) {
-                const __mmask16 eight = 0xFF;
-                even = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(eight, w + j), _mm512_maskz_loadu_ps(eight, x + j), even);
+                const mask16 eight = 0xFF;
+                even = f32x16_fma(f32x16_load_masked(eight, w + j), f32x16_load_masked(eight, x + j), even);
             }
         }
-        y[out] = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+        y[out] = f32x16_sum(f32x16_add(even, odd));
     }
 }
 #endif
@@ -95,7 +89,7 @@ int matmul_dense(const float *x, int64_t rows, int64_t k, const void *weight, in
     if (rows < 1 || k < 8 || k % 8 || n < 1) return -1;
     if (rows > 1) return bf16 ? linear_rows_bf16(x, rows, k, weight, n, y, threads)
                               : linear_rows(x, rows, k, weight, n, y, threads);
-#if !SNAPKV_WIDE_EMULATED
+#if !SNAPKV_WIDE_IS_PLAIN
     if (wide_vectors(-1)) {
         one_row_wide(x, k, weight, bf16, n, y, threads);
         return 0;

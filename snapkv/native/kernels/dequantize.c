@@ -32,13 +32,11 @@ static inline unsigned code_at(const uint8_t *stream, int64_t index, int bits) {
     return (word >> (offset & 7)) & ((1u << bits) - 1);
 }
 
-static inline float half_to_float(uint16_t half) { return _cvtsh_ss(half); }
-
 /* Codes first..first + 7 of a group (first a multiple of 8), times scale plus minimum, multiplied then added (as
  * the scalar path and PyTorch do), into out[0..7]. The 8 codes fill `bits` whole bytes. */
 #if defined(SNAPKV_PORTABLE)
 /* The generic build: the codes taken apart by scalar shifts (SSE2 has no shift by a count per lane, and gcc writes
- * the 8-lane emulated one a lane at a time through memory), then made floats 4 lanes at a time (simd.h's lanes_4):
+ * the 8-lane plain one a lane at a time through memory), then made floats 4 lanes at a time (simd.h's lanes_4):
  * the same values. */
 static inline void decode_8(const uint8_t *codes, int64_t first, int bits, float scale, float minimum, float *out) {
     int32_t q[8];
@@ -60,21 +58,21 @@ static inline void decode_8(const uint8_t *codes, int64_t first, int bits, float
 }
 #else
 static inline void decode_8(const uint8_t *codes, int64_t first, int bits, float scale, float minimum, float *out) {
-    __m256i q;
+    i32x8 q;
     if (bits == 8) {
-        q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + first)));
+        q = i32x8_from_u8(u8x16_load8(codes + first));
     } else {
         const uint8_t *bytes = codes + first * bits / 8;
         uint32_t word = bytes[0] | (uint32_t)bytes[1] << 8;  /* 2, 3 or 4 bytes: a constant-size read each */
         if (bits >= 3) word |= (uint32_t)bytes[2] << 16;
         if (bits == 4) word |= (uint32_t)bytes[3] << 24;
-        const __m256i shifts = bits == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)
-                             : bits == 3 ? _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21)
-                                         : _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-        q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts), _mm256_set1_epi32((1 << bits) - 1));
+        const i32x8 shifts = bits == 2 ? i32x8_of(0, 2, 4, 6, 8, 10, 12, 14)
+                             : bits == 3 ? i32x8_of(0, 3, 6, 9, 12, 15, 18, 21)
+                                         : i32x8_of(0, 4, 8, 12, 16, 20, 24, 28);
+        q = i32x8_and(i32x8_shift_right_each(i32x8_splat((int)word), shifts), i32x8_splat((1 << bits) - 1));
     }
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(scale)),
-                                        _mm256_set1_ps(minimum)));
+    f32x8_store(out, f32x8_add(f32x8_mul(i32x8_to_floats(q), f32x8_splat(scale)),
+                                        f32x8_splat(minimum)));
 }
 #endif
 
@@ -157,7 +155,7 @@ int dequantize_rows(const uint8_t *packed, const uint16_t *scale, const uint16_t
                 for (int64_t c = 0; c < head_dim; c++)
                     decode_8(group_codes + c * channel_bytes, t - first_token, bits, channel_scale[c],
                              channel_minimum[c], tile + c * 8);
-                for (int64_t c = 0; c < head_dim; c += 8) transpose_8x8(tile + c * 8, 8, &rows[0][c], MAX_HEAD_DIM);
+                for (int64_t c = 0; c < head_dim; c += 8) f32x8_transpose(tile + c * 8, 8, &rows[0][c], MAX_HEAD_DIM);
                 for (int i = 0; i < 8; i++)
                     finish_row(rows[i], head_dim, rotation_block, norm, destination, h * tokens + t + i, out, out_kind,
                                wide);
@@ -197,22 +195,22 @@ WIDE static void stored_key_row_wide(const uint8_t *packed, const uint16_t *scal
                                      int64_t h, int64_t t, float *values) {
     const int64_t groups = (tokens + group - 1) / group, group_bytes = group * bits / 8;
     const int64_t bit = (t % group) * bits, entries = heads * head_dim * groups;
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m128i shift = _mm_cvtsi32_si128((int)(bit & 7));
-    const __m512i keep = _mm512_set1_epi32((1 << bits) - 1);
+    const i32x16 lanes = i32x16_of(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int shift = (int)(bit & 7);
+    const i32x16 keep = i32x16_splat((1 << bits) - 1);
     int64_t c = 0;
     for (; c + 16 <= head_dim; c += 16) {
         const int64_t first = (h * head_dim + c) * groups + t / group;  /* channel c's group holding t */
         const int64_t last = first + 15 * groups;
         if ((last + 1) * 2 + 2 > entries * 2 || last * group_bytes + (bit >> 3) + 4 > entries * group_bytes) break;
-        const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int)first), _mm512_mullo_epi32(lanes, _mm512_set1_epi32((int)groups)));
-        const __m512i words = _mm512_i32gather_epi32(
-            _mm512_add_epi32(_mm512_mullo_epi32(at, _mm512_set1_epi32((int)group_bytes)), _mm512_set1_epi32((int)(bit >> 3))),
+        const i32x16 at = i32x16_add(i32x16_splat((int)first), i32x16_mul(lanes, i32x16_splat((int)groups)));
+        const i32x16 words = i32x16_gather(
+            i32x16_add(i32x16_mul(at, i32x16_splat((int)group_bytes)), i32x16_splat((int)(bit >> 3))),
             packed, 1);
-        const __m512 codes = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(words, shift), keep));
-        const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const void *)scale, 2)));
-        const __m512 m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32(at, (const void *)minimum, 2)));
-        _mm512_storeu_ps(values + c, _mm512_add_ps(_mm512_mul_ps(codes, s), m));
+        const f32x16 codes = i32x16_to_floats(i32x16_and(i32x16_shift_right(words, shift), keep));
+        const f32x16 s = i32x16_halves_to_floats(i32x16_gather(at, scale, 2));
+        const f32x16 m = i32x16_halves_to_floats(i32x16_gather(at, minimum, 2));
+        f32x16_store(values + c, f32x16_add(f32x16_mul(codes, s), m));
     }
     key_row_channels(packed, scale, minimum, tokens, head_dim, bits, group, h, t, c, values);
 }

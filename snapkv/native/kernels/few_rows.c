@@ -173,25 +173,24 @@ static void weights_from_blocks(int bits, const uint8_t *codes, const float *sca
         const int64_t out = first + j;
         float *row = rows_out + j * k;
         for (int64_t b = 0; b < blocks; b++) {
-            const __m256 block_scale = _mm256_set1_ps(scale[out * blocks + b]);
-            __m256i q[4];
+            const f32x8 block_scale = f32x8_splat(scale[out * blocks + b]);
+            i32x8 q[4];
             if (bits == 4) {  /* element i in the low nibble of byte i, element i + 16 in its high nibble */
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + out * code_bytes + b * 16));
-                const __m128i low = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-                const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-                q[0] = _mm256_cvtepu8_epi32(low);
-                q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(low, 8));
-                q[2] = _mm256_cvtepu8_epi32(high);
-                q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(high, 8));
+                const u8x16 bytes = u8x16_load(codes + out * code_bytes + b * 16);
+                const u8x16 low = u8x16_low_nibbles(bytes), high = u8x16_high_nibbles(bytes);
+                q[0] = i32x8_from_u8(low);
+                q[1] = i32x8_from_u8(u8x16_high_half(low));
+                q[2] = i32x8_from_u8(high);
+                q[3] = i32x8_from_u8(u8x16_high_half(high));
             } else {
                 const int8_t *signed_codes = (const int8_t *)codes + out * code_bytes + b * 32;
                 for (int v = 0; v < 4; v++)
-                    q[v] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(signed_codes + 8 * v)));
+                    q[v] = i32x8_from_i8(u8x16_load8(signed_codes + 8 * v));
             }
             for (int v = 0; v < 4; v++) {
-                __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(q[v]), block_scale);
-                if (bits == 4) w = _mm256_add_ps(w, _mm256_set1_ps(minimum[out * blocks + b]));
-                _mm256_storeu_ps(row + b * 32 + 8 * v, w);
+                f32x8 w = f32x8_mul(i32x8_to_floats(q[v]), block_scale);
+                if (bits == 4) w = f32x8_add(w, f32x8_splat(minimum[out * blocks + b]));
+                f32x8_store(row + b * 32 + 8 * v, w);
             }
         }
     }

@@ -12,29 +12,29 @@
 
 /* v's 8 lanes after the transform's first three stages (pairs, quads, halves): lane i + half gets
  * v[i] - v[i + half], lane i gets v[i + half] + v[i]. */
-static inline __m256 hadamard_8(__m256 v) {
-    const __m256 odd_negative = _mm256_setr_ps(1, -1, 1, -1, 1, -1, 1, -1);
-    const __m256 pairs_negative = _mm256_setr_ps(1, 1, -1, -1, 1, 1, -1, -1);
-    const __m256 half_negative = _mm256_setr_ps(1, 1, 1, 1, -1, -1, -1, -1);
-    v = _mm256_add_ps(_mm256_permute_ps(v, 0xB1), _mm256_mul_ps(v, odd_negative));
-    v = _mm256_add_ps(_mm256_permute_ps(v, 0x4E), _mm256_mul_ps(v, pairs_negative));
-    return _mm256_add_ps(_mm256_permute2f128_ps(v, v, 1), _mm256_mul_ps(v, half_negative));
+static inline f32x8 hadamard_8(f32x8 v) {
+    const f32x8 odd_negative = f32x8_of(1, -1, 1, -1, 1, -1, 1, -1);
+    const f32x8 pairs_negative = f32x8_of(1, 1, -1, -1, 1, 1, -1, -1);
+    const f32x8 half_negative = f32x8_of(1, 1, 1, 1, -1, -1, -1, -1);
+    v = f32x8_add(f32x8_swap_adjacent(v), f32x8_mul(v, odd_negative));
+    v = f32x8_add(f32x8_swap_pairs(v), f32x8_mul(v, pairs_negative));
+    return f32x8_add(f32x8_swap_halves(v), f32x8_mul(v, half_negative));
 }
 
 /* In place: 64 values times the orthonormal Hadamard matrix, in registers (the same sums, in the same order,
  * as the general loop below). */
 static inline void hadamard_64(float *block, float norm) {
-    __m256 v[8];
-    for (int i = 0; i < 8; i++) v[i] = hadamard_8(_mm256_loadu_ps(block + 8 * i));
+    f32x8 v[8];
+    for (int i = 0; i < 8; i++) v[i] = hadamard_8(f32x8_load(block + 8 * i));
     for (int half = 1; half < 8; half *= 2)  /* halves of 8, 16, 32 values: whole vectors apart */
         for (int i = 0; i < 8; i += 2 * half)
             for (int j = i; j < i + half; j++) {
-                __m256 a = v[j], b = v[j + half];
-                v[j] = _mm256_add_ps(a, b);
-                v[j + half] = _mm256_sub_ps(a, b);
+                f32x8 a = v[j], b = v[j + half];
+                v[j] = f32x8_add(a, b);
+                v[j + half] = f32x8_sub(a, b);
             }
-    const __m256 scale = _mm256_set1_ps(norm);
-    for (int i = 0; i < 8; i++) _mm256_storeu_ps(block + 8 * i, _mm256_mul_ps(v[i], scale));
+    const f32x8 scale = f32x8_splat(norm);
+    for (int i = 0; i < 8; i++) f32x8_store(block + 8 * i, f32x8_mul(v[i], scale));
 }
 
 /* In place: each block of `size` values (a power of two) times the orthonormal Hadamard matrix. */
@@ -47,16 +47,16 @@ static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm
             continue;
         }
         if (size >= 8) {  /* the first three stages inside each run of 8 lanes */
-            for (int64_t i = 0; i < size; i += 8) _mm256_storeu_ps(block + i, hadamard_8(_mm256_loadu_ps(block + i)));
+            for (int64_t i = 0; i < size; i += 8) f32x8_store(block + i, hadamard_8(f32x8_load(block + i)));
             for (half = 8; half < size; half *= 2)
                 for (int64_t i = 0; i < size; i += 2 * half)
                     for (int64_t j = i; j < i + half; j += 8) {
-                        __m256 a = _mm256_loadu_ps(block + j), b = _mm256_loadu_ps(block + j + half);
-                        _mm256_storeu_ps(block + j, _mm256_add_ps(a, b));
-                        _mm256_storeu_ps(block + j + half, _mm256_sub_ps(a, b));
+                        f32x8 a = f32x8_load(block + j), b = f32x8_load(block + j + half);
+                        f32x8_store(block + j, f32x8_add(a, b));
+                        f32x8_store(block + j + half, f32x8_sub(a, b));
                     }
-            const __m256 scale = _mm256_set1_ps(norm);
-            for (int64_t j = 0; j < size; j += 8) _mm256_storeu_ps(block + j, _mm256_mul_ps(_mm256_loadu_ps(block + j), scale));
+            const f32x8 scale = f32x8_splat(norm);
+            for (int64_t j = 0; j < size; j += 8) f32x8_store(block + j, f32x8_mul(f32x8_load(block + j), scale));
             continue;
         }
         for (; half < size; half *= 2)
@@ -74,30 +74,27 @@ static void hadamard_blocks(float *row, int64_t length, int64_t size, float norm
  * halves of 8 as hadamard_8 does, then halves of 16), the last two across vectors. Each stage adds and subtracts
  * the same two values as hadamard_64's, so the result has the same bits. */
 WIDE static inline void hadamard_64_wide(const float *block, float norm, float *target) {
-    const __m512 odd_negative = _mm512_setr_ps(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
-    const __m512 pairs_negative = _mm512_setr_ps(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
-    const __m512 quads_negative = _mm512_setr_ps(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
-    const __m512 eights_negative = _mm512_setr_ps(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
-    __m512 v[4];
+    const f32x16 odd_negative = f32x16_of(1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1, 1, -1);
+    const f32x16 pairs_negative = f32x16_of(1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1, 1, 1, -1, -1);
+    const f32x16 quads_negative = f32x16_of(1, 1, 1, 1, -1, -1, -1, -1, 1, 1, 1, 1, -1, -1, -1, -1);
+    const f32x16 eights_negative = f32x16_of(1, 1, 1, 1, 1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, -1);
+    f32x16 v[4];
     for (int i = 0; i < 4; i++) {
-        /* two 32-byte loads: the halves were just written by 32-byte stores, which forward to loads of their size
-         * (a 64-byte load would wait for both stores to reach the cache) */
-        __m512 x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(block + 16 * i)),
-                                      _mm256_loadu_ps(block + 16 * i + 8), 1);
-        x = _mm512_add_ps(_mm512_permute_ps(x, 0xB1), _mm512_mul_ps(x, odd_negative));
-        x = _mm512_add_ps(_mm512_permute_ps(x, 0x4E), _mm512_mul_ps(x, pairs_negative));
-        x = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0xB1), _mm512_mul_ps(x, quads_negative));
-        v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, x, 0x4E), _mm512_mul_ps(x, eights_negative));
+        f32x16 x = f32x16_load_halves(block + 16 * i);  /* the halves were just written by 8-lane stores */
+        x = f32x16_add(f32x16_swap_adjacent(x), f32x16_mul(x, odd_negative));
+        x = f32x16_add(f32x16_swap_pairs(x), f32x16_mul(x, pairs_negative));
+        x = f32x16_add(f32x16_swap_quarters(x), f32x16_mul(x, quads_negative));
+        v[i] = f32x16_add(f32x16_swap_halves(x), f32x16_mul(x, eights_negative));
     }
     /* halves of 16 values (vectors 0 and 1, 2 and 3), then of 32 (0 and 2, 1 and 3), written out by name so that
      * they stay in registers */
-    const __m512 a0 = _mm512_add_ps(v[0], v[1]), a1 = _mm512_sub_ps(v[0], v[1]);
-    const __m512 a2 = _mm512_add_ps(v[2], v[3]), a3 = _mm512_sub_ps(v[2], v[3]);
-    const __m512 scale = _mm512_set1_ps(norm);
-    _mm512_storeu_ps(target, _mm512_mul_ps(_mm512_add_ps(a0, a2), scale));
-    _mm512_storeu_ps(target + 16, _mm512_mul_ps(_mm512_add_ps(a1, a3), scale));
-    _mm512_storeu_ps(target + 32, _mm512_mul_ps(_mm512_sub_ps(a0, a2), scale));
-    _mm512_storeu_ps(target + 48, _mm512_mul_ps(_mm512_sub_ps(a1, a3), scale));
+    const f32x16 a0 = f32x16_add(v[0], v[1]), a1 = f32x16_sub(v[0], v[1]);
+    const f32x16 a2 = f32x16_add(v[2], v[3]), a3 = f32x16_sub(v[2], v[3]);
+    const f32x16 scale = f32x16_splat(norm);
+    f32x16_store(target, f32x16_mul(f32x16_add(a0, a2), scale));
+    f32x16_store(target + 16, f32x16_mul(f32x16_add(a1, a3), scale));
+    f32x16_store(target + 32, f32x16_mul(f32x16_sub(a0, a2), scale));
+    f32x16_store(target + 48, f32x16_mul(f32x16_sub(a1, a3), scale));
 }
 
 #endif

@@ -24,8 +24,8 @@
 static void transposed_tile(const float *long_rows, int64_t count, int64_t depth, float *tile, int64_t tile_stride) {
     if (count == KEY_TILE) {
         for (int64_t c = 0; c < depth; c += 8) {
-            transpose_8x8(long_rows + c, depth, tile + c * tile_stride, tile_stride);
-            transpose_8x8(long_rows + 8 * depth + c, depth, tile + c * tile_stride + 8, tile_stride);
+            f32x8_transpose(long_rows + c, depth, tile + c * tile_stride, tile_stride);
+            f32x8_transpose(long_rows + 8 * depth + c, depth, tile + c * tile_stride + 8, tile_stride);
         }
         return;
     }
@@ -45,7 +45,7 @@ static void transposed_wide_tile(const float *long_rows, int64_t count, int64_t 
 /* tile_product (below) in the generic build: in vectors of 4 lanes (simd.h's lanes_4: gcc keeps vectors of 8 in
  * memory where the target's registers hold 4), 8 columns per pass where the target has 16 vector registers (x86-64)
  * and all 16 at once where it has 32 (arm64). The same sums in the same order: a fused multiply-add where the
- * target has one, else a product then a sum (as PV_FMA). */
+ * target has one, else a product then a sum (as PLAIN_FMA). */
 #if defined(__aarch64__)
 #define PASS_VECTORS 4  /* 6 rows x 16 columns: 24 accumulators of 32 registers */
 #else
@@ -54,7 +54,7 @@ static void transposed_wide_tile(const float *long_rows, int64_t count, int64_t 
 
 __attribute__((noinline))  /* compiled on its own: inlined into attend_rows, gcc spilled an accumulator */
 static void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
-                         __m256 sums[ROW_BLOCK][2]) {
+                         f32x8 sums[ROW_BLOCK][2]) {
     float (*lanes)[KEY_TILE] = (float (*)[KEY_TILE])sums;  /* each row's 16 sums */
     for (int pass = 0; pass < 4 / PASS_VECTORS; pass++) {
         const int first = pass * PASS_VECTORS * 4;  /* the pass's first column */
@@ -79,19 +79,19 @@ static void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_
  * of a, each sum carried on from what sums holds: the register tile shared by the scores and the values (12
  * accumulators, named so that they stay in registers). */
 static inline void tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
-                                __m256 sums[ROW_BLOCK][2]) {
-    __m256 s00 = sums[0][0], s01 = sums[0][1], s10 = sums[1][0], s11 = sums[1][1], s20 = sums[2][0], s21 = sums[2][1],
+                                f32x8 sums[ROW_BLOCK][2]) {
+    f32x8 s00 = sums[0][0], s01 = sums[0][1], s10 = sums[1][0], s11 = sums[1][1], s20 = sums[2][0], s21 = sums[2][1],
            s30 = sums[3][0], s31 = sums[3][1], s40 = sums[4][0], s41 = sums[4][1], s50 = sums[5][0], s51 = sums[5][1];
     const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
     for (int64_t k = 0; k < depth; k++, b += b_stride) {
-        const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-        __m256 x;
-        x = _mm256_broadcast_ss(a0 + k); s00 = _mm256_fmadd_ps(x, b0, s00); s01 = _mm256_fmadd_ps(x, b1, s01);
-        x = _mm256_broadcast_ss(a1 + k); s10 = _mm256_fmadd_ps(x, b0, s10); s11 = _mm256_fmadd_ps(x, b1, s11);
-        x = _mm256_broadcast_ss(a2 + k); s20 = _mm256_fmadd_ps(x, b0, s20); s21 = _mm256_fmadd_ps(x, b1, s21);
-        x = _mm256_broadcast_ss(a3 + k); s30 = _mm256_fmadd_ps(x, b0, s30); s31 = _mm256_fmadd_ps(x, b1, s31);
-        x = _mm256_broadcast_ss(a4 + k); s40 = _mm256_fmadd_ps(x, b0, s40); s41 = _mm256_fmadd_ps(x, b1, s41);
-        x = _mm256_broadcast_ss(a5 + k); s50 = _mm256_fmadd_ps(x, b0, s50); s51 = _mm256_fmadd_ps(x, b1, s51);
+        const f32x8 b0 = f32x8_load(b), b1 = f32x8_load(b + 8);
+        f32x8 x;
+        x = f32x8_splat_at(a0 + k); s00 = f32x8_fma(x, b0, s00); s01 = f32x8_fma(x, b1, s01);
+        x = f32x8_splat_at(a1 + k); s10 = f32x8_fma(x, b0, s10); s11 = f32x8_fma(x, b1, s11);
+        x = f32x8_splat_at(a2 + k); s20 = f32x8_fma(x, b0, s20); s21 = f32x8_fma(x, b1, s21);
+        x = f32x8_splat_at(a3 + k); s30 = f32x8_fma(x, b0, s30); s31 = f32x8_fma(x, b1, s31);
+        x = f32x8_splat_at(a4 + k); s40 = f32x8_fma(x, b0, s40); s41 = f32x8_fma(x, b1, s41);
+        x = f32x8_splat_at(a5 + k); s50 = f32x8_fma(x, b0, s50); s51 = f32x8_fma(x, b1, s51);
     }
     sums[0][0] = s00; sums[0][1] = s01; sums[1][0] = s10; sums[1][1] = s11; sums[2][0] = s20; sums[2][1] = s21;
     sums[3][0] = s30; sums[3][1] = s31; sums[4][0] = s40; sums[4][1] = s41; sums[5][0] = s50; sums[5][1] = s51;
@@ -100,17 +100,17 @@ static inline void tile_product(const float *const a[ROW_BLOCK], const float *b,
 
 /* tile_product with 16 columns in one AVX-512 vector: the same sums, lane by lane in the same order. */
 WIDE static inline void tile_product_wide(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
-                                          int64_t depth, __m512 sums[ROW_BLOCK]) {
-    __m512 s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5];
+                                          int64_t depth, f32x16 sums[ROW_BLOCK]) {
+    f32x16 s0 = sums[0], s1 = sums[1], s2 = sums[2], s3 = sums[3], s4 = sums[4], s5 = sums[5];
     const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
     for (int64_t k = 0; k < depth; k++, b += b_stride) {
-        const __m512 row = _mm512_loadu_ps(b);
-        s0 = _mm512_fmadd_ps(_mm512_set1_ps(a0[k]), row, s0);
-        s1 = _mm512_fmadd_ps(_mm512_set1_ps(a1[k]), row, s1);
-        s2 = _mm512_fmadd_ps(_mm512_set1_ps(a2[k]), row, s2);
-        s3 = _mm512_fmadd_ps(_mm512_set1_ps(a3[k]), row, s3);
-        s4 = _mm512_fmadd_ps(_mm512_set1_ps(a4[k]), row, s4);
-        s5 = _mm512_fmadd_ps(_mm512_set1_ps(a5[k]), row, s5);
+        const f32x16 row = f32x16_load(b);
+        s0 = f32x16_fma(f32x16_splat(a0[k]), row, s0);
+        s1 = f32x16_fma(f32x16_splat(a1[k]), row, s1);
+        s2 = f32x16_fma(f32x16_splat(a2[k]), row, s2);
+        s3 = f32x16_fma(f32x16_splat(a3[k]), row, s3);
+        s4 = f32x16_fma(f32x16_splat(a4[k]), row, s4);
+        s5 = f32x16_fma(f32x16_splat(a5[k]), row, s5);
     }
     sums[0] = s0; sums[1] = s1; sums[2] = s2; sums[3] = s3; sums[4] = s4; sums[5] = s5;
 }
@@ -118,16 +118,16 @@ WIDE static inline void tile_product_wide(const float *const a[ROW_BLOCK], const
 /* tile_product_wide over sums held as 16 floats per row (a function of its own: AVX-512 inside, none outside). */
 WIDE static void tile_product_wide_stored(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride,
                                           int64_t depth, float sums[ROW_BLOCK][KEY_TILE]) {
-    __m512 wide_sums[ROW_BLOCK];
-    for (int i = 0; i < ROW_BLOCK; i++) wide_sums[i] = _mm512_loadu_ps(sums[i]);
+    f32x16 wide_sums[ROW_BLOCK];
+    for (int i = 0; i < ROW_BLOCK; i++) wide_sums[i] = f32x16_load(sums[i]);
     tile_product_wide(a, b, b_stride, depth, wide_sums);
-    for (int i = 0; i < ROW_BLOCK; i++) _mm512_storeu_ps(sums[i], wide_sums[i]);
+    for (int i = 0; i < ROW_BLOCK; i++) f32x16_store(sums[i], wide_sums[i]);
 }
 
 /* The lanes of vector v (columns v * 16..v * 16 + 15) that lie before column `count`. */
-static inline __mmask16 columns_before(int64_t count, int v) {
+static inline mask16 columns_before(int64_t count, int v) {
     const int64_t left = count - v * 16;
-    return left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    return left >= 16 ? (mask16)0xFFFF : left > 0 ? (mask16)((1u << left) - 1) : 0;
 }
 
 /* out[i * out_stride + j] = sum over k < depth of a[i][k] * b[k * b_stride + j] for i < live rows and j < count
@@ -137,25 +137,25 @@ static inline __mmask16 columns_before(int64_t count, int v) {
  * k), else from 0. Columns past `count` are computed from what b holds there and not stored. */
 WIDE static void wide_tile_product(const float *const a[ROW_BLOCK], const float *b, int64_t b_stride, int64_t depth,
                                    float *out, int64_t out_stride, int live, int64_t count, int accumulate) {
-    __m512 s[ROW_BLOCK][4];
+    f32x16 s[ROW_BLOCK][4];
     for (int i = 0; i < ROW_BLOCK; i++)
         for (int v = 0; v < 4; v++)
-            s[i][v] = accumulate && i < live ? _mm512_maskz_loadu_ps(columns_before(count, v), out + i * out_stride + v * 16)
-                                             : _mm512_setzero_ps();
+            s[i][v] = accumulate && i < live ? f32x16_load_masked(columns_before(count, v), out + i * out_stride + v * 16)
+                                             : f32x16_zero();
     for (int64_t k = 0; k < depth; k++, b += b_stride) {
-        const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16), b2 = _mm512_loadu_ps(b + 32),
-                     b3 = _mm512_loadu_ps(b + 48);
+        const f32x16 b0 = f32x16_load(b), b1 = f32x16_load(b + 16), b2 = f32x16_load(b + 32),
+                     b3 = f32x16_load(b + 48);
         for (int i = 0; i < ROW_BLOCK; i++) {
-            const __m512 x = _mm512_set1_ps(a[i][k]);
-            s[i][0] = _mm512_fmadd_ps(x, b0, s[i][0]);
-            s[i][1] = _mm512_fmadd_ps(x, b1, s[i][1]);
-            s[i][2] = _mm512_fmadd_ps(x, b2, s[i][2]);
-            s[i][3] = _mm512_fmadd_ps(x, b3, s[i][3]);
+            const f32x16 x = f32x16_splat(a[i][k]);
+            s[i][0] = f32x16_fma(x, b0, s[i][0]);
+            s[i][1] = f32x16_fma(x, b1, s[i][1]);
+            s[i][2] = f32x16_fma(x, b2, s[i][2]);
+            s[i][3] = f32x16_fma(x, b3, s[i][3]);
         }
     }
     for (int i = 0; i < live; i++)
         for (int v = 0; v < 4 && v * 16 < count; v++)
-            _mm512_mask_storeu_ps(out + i * out_stride + v * 16, columns_before(count, v), s[i][v]);
+            f32x16_store_masked(out + i * out_stride + v * 16, columns_before(count, v), s[i][v]);
 }
 
 /* sums (ROW_BLOCK rows x 16 columns, 16 floats per row) += the tile's products, each sum carried on from what sums
@@ -166,15 +166,15 @@ static inline void tile_product_any(const float *const a[ROW_BLOCK], const float
         tile_product_wide_stored(a, b, b_stride, depth, sums);
         return;
     }
-    __m256 narrow[ROW_BLOCK][2];
+    f32x8 narrow[ROW_BLOCK][2];
     for (int i = 0; i < ROW_BLOCK; i++) {
-        narrow[i][0] = _mm256_loadu_ps(sums[i]);
-        narrow[i][1] = _mm256_loadu_ps(sums[i] + 8);
+        narrow[i][0] = f32x8_load(sums[i]);
+        narrow[i][1] = f32x8_load(sums[i] + 8);
     }
     tile_product(a, b, b_stride, depth, narrow);
     for (int i = 0; i < ROW_BLOCK; i++) {
-        _mm256_storeu_ps(sums[i], narrow[i][0]);
-        _mm256_storeu_ps(sums[i] + 8, narrow[i][1]);
+        f32x8_store(sums[i], narrow[i][0]);
+        f32x8_store(sums[i] + 8, narrow[i][1]);
     }
 }
 
@@ -195,43 +195,42 @@ static inline void narrow_tile_product(const float *const a[ROW_BLOCK], const fl
 }
 
 /* exp_8 (simd.h) in 16 lanes: the same operations, so the same bits in every lane. */
-WIDE static inline __m512 exp_16(__m512 x) {
-    const __m512 lowest = _mm512_set1_ps(-87.3f);
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
-    x = _mm512_max_ps(x, lowest);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i two_to_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(p, _mm512_castsi512_ps(two_to_n)));
+WIDE static inline f32x16 exp_16(f32x16 x) {
+    const f32x16 lowest = f32x16_splat(-87.3f);
+    const mask16 underflow = f32x16_less(x, lowest);
+    x = f32x16_max(x, lowest);
+    const f32x16 n = f32x16_nearest(f32x16_mul(x, f32x16_splat(1.44269504088896341f)));
+    f32x16 r = f32x16_fnma(n, f32x16_splat(0.693359375f), x);
+    r = f32x16_fnma(n, f32x16_splat(-2.12194440e-4f), r);
+    f32x16 p = f32x16_splat(1.9875691500e-4f);
+    p = f32x16_fma(p, r, f32x16_splat(1.3981999507e-3f));
+    p = f32x16_fma(p, r, f32x16_splat(8.3334519073e-3f));
+    p = f32x16_fma(p, r, f32x16_splat(4.1665795894e-2f));
+    p = f32x16_fma(p, r, f32x16_splat(1.6666665459e-1f));
+    p = f32x16_fma(p, r, f32x16_splat(5.0000001201e-1f));
+    p = f32x16_fma(p, f32x16_mul(r, r), f32x16_add(r, f32x16_splat(1.0f)));
+    const i32x16 two_to_n = i32x16_shift_left(i32x16_add(i32x16_nearest_of(n), i32x16_splat(127)), 23);
+    return f32x16_keep_where((mask16)~underflow, f32x16_mul(p, i32x16_as_floats(two_to_n)));
 }
 
 /* row_exponentials (simd.h) 16 lanes at a time: the same bits. The exponentials are summed into 8 lanes, the low
  * half of each vector before the high, which is the order row_exponentials adds them in. */
 WIDE static float row_exponentials_wide(float *row, int64_t tokens, float top) {
-    const __m512 shift = _mm512_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
+    const f32x16 shift = f32x16_splat(top);
+    f32x8 total = f32x8_zero();
     int64_t j = 0;
     for (; j + 16 <= tokens; j += 16) {
-        const __m512 e = exp_16(_mm512_sub_ps(_mm512_loadu_ps(row + j), shift));
-        _mm512_storeu_ps(row + j, e);
-        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
-        total = _mm256_add_ps(total, _mm512_extractf32x8_ps(e, 1));
+        const f32x16 e = exp_16(f32x16_sub(f32x16_load(row + j), shift));
+        f32x16_store(row + j, e);
+        total = f32x8_add(total, f32x16_low_half(e));
+        total = f32x8_add(total, f32x16_high_half(e));
     }
     for (; j + 8 <= tokens; j += 8) {
-        const __m256 e = exp_8(_mm256_sub_ps(_mm256_loadu_ps(row + j), _mm512_castps512_ps256(shift)));
-        _mm256_storeu_ps(row + j, e);
-        total = _mm256_add_ps(total, e);
+        const f32x8 e = exp_8(f32x8_sub(f32x8_load(row + j), f32x16_low_half(shift)));
+        f32x8_store(row + j, e);
+        total = f32x8_add(total, e);
     }
-    float sum = lane_sum(total);
+    float sum = f32x8_sum(total);
     for (; j < tokens; j++) {
         row[j] = expf(row[j] - top);
         sum += row[j];
