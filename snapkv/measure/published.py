@@ -30,6 +30,9 @@ RESULTS: tuple[tuple[tuple[str, ...], str | None], ...] = (
     (("benchmarks/results/fidelity-storage-auto-2048-sharper.json",), None),
     # keys in 4 bits per channel after RoPE, unrotated, by 32 tokens (4ug32/8); the 8 answers are the runs above's
     (("benchmarks/results/fidelity-storage-auto-2048-keys-per-channel.json",), None),
+    # 8 bits in larger groups: keys by 128 tokens with values over the head (8g128/8g64), and both by 64; the 8
+    # answers are the runs above's to the letter
+    (("benchmarks/results/fidelity-storage-auto-2048-groups.json",), None),
 )
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "storage" / "measured.json"
 
