@@ -42,8 +42,8 @@ from snapkv.base.paths import snapkv_home
 
 SOURCES = ("library.c", "blockwise_matmul.c", "dequantize.c", "few_rows.c", "dense_rows.c", "decode_step.c",
            "window_cut.c", "coded_attention.c", "reference.c")
-HEADERS = ("kernels.h", "vectors.h", "lanes8_x86.h", "lanes8_plain.h", "lanes16_avx512.h", "lanes16_plain.h", "simd.h",
-           "tiles.h", "hadamard.h")  # part of the digest
+HEADERS = ("kernels.h", "vectors.h", "lanes8_x86.h", "lanes8_plain.h", "lanes16_avx512.h", "lanes16_plain.h",
+           "plain_lanes.h", "simd.h", "tiles.h", "hadamard.h")  # part of the digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
 FLAGS = ("-O3", "-ffp-contract=off", "-Wno-psabi", "-shared", "-fPIC")
 OPENMP = "-fopenmp"  # tried first; a compiler without OpenMP builds the same sources for one thread

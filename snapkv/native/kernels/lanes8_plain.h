@@ -9,13 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__FMA__) || defined(__aarch64__) || defined(__FP_FAST_FMAF)
-#define PLAIN_FMA(a, b, c) __builtin_fmaf((a), (b), (c))  /* one instruction on this target */
-#else
-#define PLAIN_FMA(a, b, c) ((a) * (b) + (c))              /* no fused multiply-add here: a product, then a sum */
-#endif
-
-#define EACH_LANE(n) for (int i = 0; i < (n); i++)
+#include "plain_lanes.h"
 #define LANES8 static inline
 #define LANES8_COMPOSITE static inline
 

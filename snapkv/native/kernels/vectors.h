@@ -8,8 +8,9 @@
  *   generic lanes8_plain.h and lanes16_plain.h (SNAPKV_PORTABLE): any CPU and C compiler with the vector
  *           extensions (gcc, clang), x86-64 without AVX2, arm64.
  * The names say the lane count and type (f32x8: 8 floats, i32x16: 16 int32, u8x16: 16 bytes, mask16: a bit per
- * lane), then what they do; each width's two headers give the same bits. A new operation is one function in each
- * header of its width; reference.c's scalar loops are the oracle every build is tested against. */
+ * lane), then what they do; each width's two headers give the same bits (the plain ones share plain_lanes.h). A
+ * new operation is one function in each header of its width; reference.c's scalar loops are the oracle every build
+ * is tested against. */
 #ifndef SNAPKV_VECTORS_H
 #define SNAPKV_VECTORS_H
 
