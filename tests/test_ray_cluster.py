@@ -154,9 +154,11 @@ def test_a_replica_killed_between_two_questions_loses_no_request(cluster, single
 
 
 def test_a_client_that_closes_its_stream_stops_the_answer_on_its_replica(cluster):
-    messages = _messages("wick", "Count from 1 to 300, writing every number in words, separated by commas.")
+    # an answer that runs to max_tokens on every build (asked to count, the model repeats the document in 70
+    # tokens and stops on its own, sooner than a busy machine's Ray carries the cancel)
+    messages = _messages("wick", "Write a long essay about the history of Wick Instruments, with many paragraphs.")
     client = openai.OpenAI(base_url=cluster + "/v1", api_key=KEY, max_retries=0, timeout=240)
-    raw = client.chat.completions.with_raw_response.create(model="snapkv", messages=messages, max_tokens=400,
+    raw = client.chat.completions.with_raw_response.create(model="snapkv", messages=messages, max_tokens=1500,
                                                              stream=True)
     stream = raw.parse()
     for count, _ in enumerate(stream, 1):
@@ -173,7 +175,7 @@ def test_a_client_that_closes_its_stream_stops_the_answer_on_its_replica(cluster
             break
         time.sleep(0.25)
     assert stats["replica"] == replica and stats["in_flight"] == 0, stats
-    assert stats["cancelled"] == 1 and 3 <= stats["last_tokens"] < 100, stats  # stopped, not 400 tokens on
+    assert stats["cancelled"] == 1 and 3 <= stats["last_tokens"] < 500, stats  # stopped, not 1500 tokens on
 
 
 def test_the_router_checks_the_key_and_bounds_the_body_before_any_replica(cluster):
