@@ -1,6 +1,7 @@
-"""A question's attention and cut straight from a saved layer's codes (snapkv.engine.coded_attention,
-snapkv/native/kernels/coded_attention.c) against the same pass over the layer restored to fp32, on a tiny Llama with
-head_dim 64 whose weights are exact 4/8-bit blocks."""
+"""A question's attention straight from a saved layer's codes (snapkv.engine.coded_attention,
+snapkv/native/kernels/coded_attention.c), then the one cut of a layer (snapkv.compression.compress.cut_layer) restoring
+only the kept positions, against the same pass over the layer restored to fp32, on a tiny Llama with head_dim 64 whose
+weights are exact 4/8-bit blocks."""
 
 import pytest
 import torch
@@ -47,10 +48,10 @@ def saved(model, bits: Bits, path):
 
 
 def coded_calls(monkeypatch) -> list[bool]:
-    """Whether each of the pass's attend_and_cut calls took the coded path (recorded as the pass calls it)."""
+    """Whether each of the pass's attend_coded calls took the coded path (recorded as the pass calls it)."""
     taken = []
-    real = native_question.attend_and_cut
-    monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: (found := real(*a)) is not None and taken.append(True)
+    real = native_question.attend_coded
+    monkeypatch.setattr(native_question, "attend_coded", lambda *a: (found := real(*a)) is not None and taken.append(True)
                         or (found is None and taken.append(False)) or found)
     return taken
 
@@ -80,8 +81,8 @@ def test_the_coded_path_is_the_restored_path_within_rounding(bits, window, metho
     for way in ("restored", "coded"):
         taken = coded_calls(monkeypatch)
         if way == "restored":
-            monkeypatch.setattr(coded_attention, "attend_and_cut", lambda *a: None)
-            monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: None)
+            monkeypatch.setattr(coded_attention, "attend_coded", lambda *a: None)
+            monkeypatch.setattr(native_question, "attend_coded", lambda *a: None)
         working = WorkingCache.of(cache, model.config, for_question=True)
         if method == "words":
             plan = CompressionPlan(Cut(64, 8, SnapKV(), whole_words=True), window=window)
@@ -123,7 +124,7 @@ def test_answers_take_the_coded_path_and_match_the_restored_path(tmp_path, monke
     assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, engine="torch")) == tokens
     assert list(answer(model, cache, question, per_question=None, max_new_tokens=8))
     assert taken == []
-    monkeypatch.setattr(native_question, "attend_and_cut", lambda *a: None)
+    monkeypatch.setattr(native_question, "attend_coded", lambda *a: None)
     assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8)) == tokens
 
 
@@ -145,22 +146,22 @@ def test_what_the_coded_path_does_not_read_goes_the_restored_way(tmp_path, vecto
             layer.stored_values = stored_values
         return layer
 
-    assert coded_attention.attend_and_cut(attention, query, key, value, first_layer(), plan) is not None
+    assert coded_attention.attend_coded(attention, query, key, value, first_layer(), plan) is not None
     values = first_layer().stored_values
     flipped = values.sharp.clone()
     flipped[0, [int(flipped[0].nonzero()[0]), int((~flipped[0]).nonzero()[0])]] ^= True  # as many, other positions
     restored = cache.values[0]  # (kv_heads, kept, head_dim), restored whole
     other = quantize_mixed(restored, flipped, *[stored_schemes(bits, 64)[1] for bits in (Bits(8, 4), Bits(3, 2))])
     layer = first_layer(other)
-    assert coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None and not layer.restored
+    assert coded_attention.attend_coded(attention, query, key, value, layer, plan) is None and not layer.restored
     vector_width(False)  # every build declines then (the restored path is faster than the 16 lanes in plain C)
     layer = first_layer()
-    assert coded_attention.attend_and_cut(attention, query, key, value, layer, plan) is None and not layer.restored
+    assert coded_attention.attend_coded(attention, query, key, value, layer, plan) is None and not layer.restored
     vector_width(True)
     small = on_blocks(num_attention_heads=4, num_key_value_heads=2)  # head_dim 16
     small_cache = saved(small, Bits(4, 3), tmp_path / "small.snapkv")
     layer = WorkingCache.of(small_cache, small.config, for_question=True).layers[0]
-    assert coded_attention.attend_and_cut(small.model.layers[0].self_attn, torch.randn(1, 4, QUESTION, 16),
+    assert coded_attention.attend_coded(small.model.layers[0].self_attn, torch.randn(1, 4, QUESTION, 16),
                                           torch.randn(1, 2, QUESTION, 16), torch.randn(1, 2, QUESTION, 16), layer,
                                           plan) is None
 
@@ -185,3 +186,42 @@ def test_a_model_without_weight_blocks_takes_the_coded_path_too(tmp_path, monkey
     taken.clear()
     assert list(answer(model, cache, question, per_question=Cut(64, 8), max_new_tokens=8, engine="torch")) == tokens
     assert taken == []
+
+
+@pytest.mark.parametrize("bits", [Bits(3, 2, share=0.2, sharp=(8, 4)), Bits(4, 3), Bits(8)])
+def test_a_layer_still_in_its_codes_restores_only_the_kept_positions_as_the_whole_restore_gives_them(bits, tmp_path,
+                                                                                                     monkeypatch):
+    """The cut's keep_positions over a layer that holds its codes and the question's rows apart (as attend_coded left
+    it): the kept rows the whole layer's restore gives, to the bit (the C kernel's rows), within rounding without the
+    kernels (PyTorch's restore); a layer held but never cut is restored whole when the pass ends."""
+    from snapkv.compression.scoring import gather_positions
+    from snapkv.storage import quantize
+
+    model = on_blocks(hidden_size=128, num_attention_heads=2, num_key_value_heads=2)
+    cache = saved(model, bits, tmp_path / "cache.snapkv")
+    question_keys, question_values = torch.randn(1, 2, QUESTION, 64), torch.randn(1, 2, QUESTION, 64)
+    generator = torch.Generator().manual_seed(7)
+    indices = torch.stack([torch.randperm(PROMPT + QUESTION, generator=generator)[:40].sort().values
+                           for _ in range(2)]).unsqueeze(0)  # (1, kv_heads, 40), stored positions and the question's
+    assert (indices >= PROMPT).any() and (indices < PROMPT).any()
+    for index in (0, 1):
+        whole = [torch.cat([restored.unsqueeze(0), own], dim=2) for restored, own in
+                 ((cache.keys[index], question_keys), (cache.values[index], question_values))]
+        layer = WorkingCache.of(cache, model.config, for_question=True).layers[index]
+        layer.hold_question(question_keys, question_values)
+        assert layer.keys.shape == (1, 2, PROMPT + QUESTION, 64) and not layer.restored
+        layer.keep_positions(indices)
+        assert layer.restored and layer.question is None
+        assert torch.equal(layer.keys, gather_positions(whole[0], indices))
+        assert torch.equal(layer.values, gather_positions(whole[1], indices))
+        with monkeypatch.context() as patch:  # PyTorch's restore, then the rows gathered
+            patch.setattr(quantize.native, "unavailable_reason", lambda: "switched off for this test")
+            layer = WorkingCache.of(cache, model.config, for_question=True).layers[index]
+            layer.hold_question(question_keys, question_values)
+            layer.keep_positions(indices)
+            torch.testing.assert_close(layer.keys, gather_positions(whole[0], indices), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(layer.values, gather_positions(whole[1], indices), rtol=1e-5, atol=1e-5)
+    working = WorkingCache.of(cache, model.config, for_question=True)
+    working.layers[0].hold_question(question_keys, question_values)
+    working.question_done()  # no cut came: the layer is every position, restored
+    assert torch.equal(working.layers[0].keys, torch.cat([cache.keys[0].unsqueeze(0), question_keys], dim=2))

@@ -224,7 +224,7 @@ def test_a_decoded_token_and_a_questions_layers_give_their_references_values(wei
                                          ("8", "average")])
 def test_a_questions_attention_and_cut_from_the_codes_give_their_references_values(bits, method, tmp_path,
                                                                                      monkeypatch, vector_width):
-    """attend_coded_and_cut through a question's pass over a saved cache (two parts with a sharper share, rotated
+    """attend_coded (and dequantize_positions, the cut's restore) through a question's pass over a saved cache (two parts with a sharper share, rotated
     keys and values, neither; SnapKV's max pooling, whole words, chunks, an average pooling) against the same pass with
     the reference: logits within fp32 rounding, the same positions kept, and the kept rows within rounding."""
     from snapkv.base.bits import Bits
@@ -254,7 +254,7 @@ def test_a_questions_attention_and_cut_from_the_codes_give_their_references_valu
         working = WorkingCache.of(cache, model.config, for_question=True)
         logits = native_question.question_pass(model, question, coded.PROMPT, working, plan, layers)
         found.append((logits, plan.kept, [(layer.keys, layer.values) for layer in working.layers]))
-    assert "attend_coded_and_cut" in references.answered
+    assert {"attend_coded", "dequantize_positions"} <= references.answered
     (kernel_logits, kernel_kept, kernel_rows), (logits, kept, rows) = found
     torch.testing.assert_close(kernel_logits, logits, rtol=1e-4, atol=1e-5 * logits.abs().max())
     assert all(torch.equal(kernel_kept[i], kept[i]) for i in kept) and kernel_kept.keys() == kept.keys()

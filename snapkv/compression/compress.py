@@ -62,6 +62,15 @@ def cache_argument(kwargs: dict):
     return cache if cache is not None else kwargs.get("past_key_values")
 
 
+class KeepsItsPositions:
+    """A cache layer that keeps a cut's positions itself (snapkv.storage.deferred.RestoringLayer, whose rows may still
+    be codes): cut_layer hands it the kept indices rather than gathering its keys and values."""
+
+    def keep_positions(self, indices: torch.Tensor) -> None:
+        """Keep only the positions `indices` (batch, kv_heads, k), ascending."""
+        raise NotImplementedError
+
+
 def _window_attention(captured: cpu_attention.Captured | None, module, hidden_states: torch.Tensor, keys: torch.Tensor,
                       window: int, position_embeddings) -> WindowAttention:
     """What the method scores the layer's keys (batch, kv_heads, n, head_dim) from: the attention weights the layer just
@@ -87,7 +96,9 @@ def _window_attention(captured: cpu_attention.Captured | None, module, hidden_st
 def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache, position_embeddings) -> None:
     """Cut the cache layer of attention `module` to the plan, right after the module ran in a forward over
     hidden_states (batch, new tokens, hidden) with RoPE's (cos, sin); scored from the attention weights the module
-    kept (snapkv.modeling.cpu_attention, with CAPTURE set by `capturing`) where it did, else from the window's queries."""
+    kept (snapkv.modeling.cpu_attention with CAPTURE set by `capturing`, or snapkv.engine.coded_attention's sums over a
+    saved layer's codes) where it did, else from the window's queries. The one cut of a layer in every pass: a layer
+    still in its stored bits (KeepsItsPositions) restores only the positions kept."""
     captured = module.__dict__.pop(cpu_attention.CAPTURED, None)  # this forward's, used once or dropped
     layer = cache.layers[module.layer_idx]
     keys, values = layer.keys, layer.values  # (batch, kv_heads, n, head_dim)
@@ -102,8 +113,11 @@ def cut_layer(plan: CompressionPlan, module, hidden_states: torch.Tensor, cache,
     if words is not None:
         scores = word_maxima(scores, words)
     indices = kept_indices(scores, prefix_keep, window)
-    layer.keys = gather_positions(keys, indices)
-    layer.values = gather_positions(values, indices)
+    if isinstance(layer, KeepsItsPositions):
+        layer.keep_positions(indices)
+    else:
+        layer.keys = gather_positions(keys, indices)
+        layer.values = gather_positions(values, indices)
     plan.kept[module.layer_idx] = indices
 
 

@@ -1,21 +1,25 @@
-"""A question's attention and SnapKV's cut over a saved layer read straight from its codes, for the native engine's
-question pass (snapkv.engine.native_question).
+"""A question's attention over a saved layer read straight from its codes, for the native engine's question pass
+(snapkv.engine.native_question).
 
 Over a deferred cache (snapkv.storage.deferred) the pass restored each layer to fp32 (8k tokens of the embedded model: 12 MB
 of keys and values a layer, ~40 ms of a question over 30 layers), attended over it, then kept ~1/8 of it. Here one C
-call per layer (snapkv/native/kernels/coded_attention.c's attend_coded_and_cut) attends over the stored codes themselves,
+call per layer (snapkv/native/kernels/coded_attention.c's attend_coded) attends over the stored codes themselves,
 decoding each tile of 64 keys or values into the nearest cache as it goes (the Hadamard rotation moved onto the few
-query and output rows), scores the positions from the window's softmax sums as SnapKV does (pooled, averaged per KV
-head), picks the best, and restores only those (the same bits as the whole layer's restore). Its output and scores
-agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same positions kept).
+query and output rows), and sums the window's softmax per query head as the CPU attention does for SnapKV's score
+(snapkv.modeling.cpu_attention.Captured). The cut that follows is the torch engine's own
+(snapkv.compression.compress.cut_layer): it scores from those sums, picks the positions, and the layer, which still
+holds its codes and the question's rows apart, restores only those (the same bits as the whole layer's restore). The
+output and the sums agree with the restored path's within fp32 rounding (tests/test_coded_attention.py: the same
+positions kept).
 
 Taken where everything fits (the native engine's question pass asked for it): fp32 on a CPU
 with AVX-512 and snapkv's kernels, their 16-lane functions in use (wide_vectors(): by default only in the avx512 build;
 the others run those functions in plain C, and there the restored path measured 4.6x faster: 0.145 s against 0.66 for
-a follow-up's first token at 6.6k tokens on the AVX2 build; tests turn them on to check this path on every build); SnapKV's method or its chunks; a layer the plan cuts, stored below 16 bits as one part or as a
-sharper share whose keys and values share their sharper positions; keys grouped along tokens and values along
-channels, in groups of a multiple of 16; every value part rotated alike; head_dim a multiple of 64 (up to 256).
-Anything else returns None, and the pass restores the layer as before.
+a follow-up's first token at 6.6k tokens on the AVX2 build; tests turn them on to check this path on every build);
+SnapKV's method or its chunks; a layer the plan cuts, stored below 16 bits as one part or as a sharper share whose keys
+and values share their sharper positions; keys grouped along tokens and values along channels, in groups of a multiple
+of 16; every value part rotated alike; head_dim a multiple of 64 (up to 256). Anything else returns None, and the pass
+restores the layer as before.
 """
 
 import ctypes
@@ -25,6 +29,7 @@ import torch
 from snapkv import native
 from snapkv.compression.compress import CompressionPlan
 from snapkv.compression.methods import Chunks, SnapKV
+from snapkv.modeling import cpu_attention
 from snapkv.native.threads import threads_now
 from snapkv.storage.deferred import RestoringLayer
 from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Quantized
@@ -67,11 +72,13 @@ def _pointer_array(values: list[int], kind) -> ctypes.Array:
 
 
 @torch.inference_mode()
-def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: RestoringLayer | None,
-                   plan: CompressionPlan) -> torch.Tensor | None:
-    """The question's attention output (1, q, heads * head_dim), with `layer` (a deferred layer still in its stored
-    bits: WorkingCache.still_stored; None: there is none) cut to the plan and holding only its kept positions
-    (plan.kept updated as cut_layer does); None where this path does not apply (nothing is changed then).
+def attend_coded(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: RestoringLayer | None,
+                 plan: CompressionPlan) -> torch.Tensor | None:
+    """The question's attention output (1, q, heads * head_dim) over `layer` (a deferred layer still in its stored bits:
+    WorkingCache.still_stored; None: there is none) and the question's own rows, which the layer then holds after its
+    stored positions, still unrestored, with the window's sums kept on the module for the cut that must follow
+    (snapkv.compression.compress.cut_layer, which restores only the positions it keeps); None where this path does not
+    apply (nothing is changed then).
     query (1, heads, q, head_dim), key and value (1, kv_heads, q, head_dim): the question's rows after RoPE (query,
     key), fp32."""
     method = plan.cut.method
@@ -82,18 +89,15 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
     _, heads, rows, head_dim = query.shape
     kv_heads, stored, _ = layer.stored_keys.shape
     window = min(plan.window, rows)
-    prefix_keep = plan.prefix_keep_at(module.layer_idx)
     if (parts is None or not _readable(parts, head_dim) or query.shape[0] != 1 or heads % kv_heads
             or any(t.dtype != torch.float32 for t in (query, key, value))
-            or stored + rows <= prefix_keep + window):
+            or stored + rows <= plan.prefix_keep_at(module.layer_idx) + window):  # the cut would keep every position
         return None
     group = heads // kv_heads
-    kept = min(prefix_keep, stored + rows - window) + window
     rotated = any(keys.scheme.rotated or values.scheme.rotated for keys, values in parts)
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     output = torch.empty(kv_heads, group * rows, head_dim)  # each KV head's query heads' rows, one after another
-    indices = torch.empty(1, kv_heads, kept, dtype=torch.int64)
-    kept_keys, kept_values = torch.empty(1, kv_heads, kept, head_dim), torch.empty(1, kv_heads, kept, head_dim)
+    sums = torch.empty(1, kv_heads, group, stored + rows)  # the window's softmax summed, per query head, by position
     pointers = _pointer_array([native.pointer(t, dtype) for keys, values in parts for t, dtype in (
         (keys.packed, torch.uint8), (keys.scale, torch.float16), (keys.minimum, torch.float16),
         (values.packed, torch.uint8), (values.scale, torch.float16), (values.minimum, torch.float16))],
@@ -103,20 +107,13 @@ def attend_and_cut(module, query: torch.Tensor, key: torch.Tensor, value: torch.
         values.scheme.group)], ctypes.c_int64)
     sharp = layer.stored_keys.sharp.contiguous() if isinstance(layer.stored_keys, Mixed) else None  # (kv_heads, stored)
     fp32, own = torch.float32, (1, kv_heads, rows, head_dim)
-    words = plan.word_ids(module.layer_idx, stored + rows - window)  # (kv_heads, prefix) or None
-    words = None if words is None else words.contiguous()
-    if native.kernels().attend_coded_and_cut(
+    if native.kernels().attend_coded(
             native.pointer(query, fp32, (1, heads, rows, head_dim)), kv_heads, group * rows, rows, module.scaling,
             head_dim, len(parts), pointers, shapes, (head_dim & -head_dim) if rotated else 0,
             int(parts[0][1].scheme.rotated), native.pointer(key, fp32, own), native.pointer(value, fp32, own),
-            None if sharp is None else native.pointer(sharp, torch.bool, (kv_heads, stored)), method.kernel,
-            int(method.pooling == "max"), getattr(method, "size", 1),
-            None if words is None else native.pointer(words, torch.int64), prefix_keep, window,
-            native.pointer(output, fp32),
-            native.pointer(indices, torch.int64), kept, native.pointer(kept_keys, fp32),
-            native.pointer(kept_values, fp32), threads_now()) != 0:
-        return None  # a NaN score, or memory ran out: the restored path decides
-    layer.keys, layer.values = kept_keys, kept_values
-    layer.restored = True
-    plan.kept[module.layer_idx] = indices
+            None if sharp is None else native.pointer(sharp, torch.bool, (kv_heads, stored)), window,
+            native.pointer(output, fp32), native.pointer(sums, fp32), threads_now()) != 0:
+        return None  # memory ran out: the restored path decides
+    layer.hold_question(key, value)
+    setattr(module, cpu_attention.CAPTURED, cpu_attention.Captured(None, window, window_sums=sums))
     return output.view(heads, rows, head_dim).transpose(0, 1).reshape(1, rows, heads * head_dim)

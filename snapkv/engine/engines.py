@@ -6,7 +6,7 @@ or says it does not apply here (None) and the next engine in the order is asked.
     torch      the same layers as the few PyTorch calls they need (a plain Llama-family model on CPU; fp32 results
                to the bit): its question pass snapkv.engine.torch_question, its steps snapkv.engine.lean_decode
     native     its question pass snapkv.engine.native_question (the torch engine's with the layers' parts in C and a
-               saved layer attended and cut from its codes: snapkv.engine.coded_attention), and each decoded token
+               saved layer attended from its codes: snapkv.engine.coded_attention), and each decoded token
                through every layer in one C call (snapkv.engine.native_decode: projections in 4/8-bit blocks, or plain
                bf16/fp32 rows, summed in fp32 on CPU); within fp32 rounding of the torch engine. A bf16 model's
                question pass is the torch engine's

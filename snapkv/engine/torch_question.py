@@ -77,16 +77,13 @@ class LayerParts:
         return hidden + mlp.down_proj(mlp.act_fn(gate) * up)
 
 
-def attend_over_cache(model, attention, parts: tuple[torch.Tensor, ...], cache: WorkingCache, mask: torch.Tensor,
-                      plan: CompressionPlan | None, cut: bool, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A layer's attention over its cache with the question's key and value appended, the layer then cut by the plan
-    where `cut` (as the hook cuts it): its output (1, q, heads * head_dim). parts: LayerParts.before's."""
-    normed, query, key, value = parts
+def attend_over_cache(model, attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      cache: WorkingCache, mask: torch.Tensor) -> torch.Tensor:
+    """A layer's attention over its cache with the question's key and value appended (LayerParts.before's rows): its
+    output (1, q, heads * head_dim)."""
     attend = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
     keys, values = cache.update(key, value, attention.layer_idx)
     output, _ = attend(attention, query, keys, values, mask, dropout=0.0, scaling=attention.scaling)
-    if cut:
-        cut_layer(plan, attention, normed, cache, angles)
     return output.reshape(1, query.shape[2], -1)
 
 
@@ -104,8 +101,9 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: WorkingC
     with capturing(model, plan.window) if plan is not None else nullcontext(()) as cut_modules:
         for index, layer in enumerate(inner.layers):
             attention = layer.self_attn
-            found = parts.before(index, hidden, cos, sin)
-            attended = attend_over_cache(model, attention, found, cache, mask, plan, attention in cut_modules,
-                                         (cos, sin))
+            normed, query, key, value = parts.before(index, hidden, cos, sin)
+            attended = attend_over_cache(model, attention, query, key, value, cache, mask)
+            if attention in cut_modules:  # as the hook cuts it, right after its attention
+                cut_layer(plan, attention, normed, cache, (cos, sin))
             hidden = parts.after(index, attended, hidden)
     return model.lm_head(rms_norm(inner.norm, hidden)[:, -1:])[0, -1]

@@ -8,7 +8,8 @@ three forms behind the same view, every layer's keys and values reading (1, kv_h
 
   stored codes   a deferred cache's layer in its stored bits until the question's pass reaches it
                  (snapkv.storage.deferred.RestoringLayer: restored into one buffer shared by all layers, the question's
-                 rows written after each head's; or attended and cut from its codes by snapkv.engine.coded_attention)
+                 rows written after each head's; or attended from its codes by snapkv.engine.coded_attention,
+                 the question's rows held apart until the cut restores only the positions it keeps)
   restored rows  the CompressedCache's own tensors, not copied (a forward only ever replaces a layer's tensors)
   room to write  before decoding, one buffer per layer with room for the answer where writing in place pays
                  (snapkv.modeling.presized.PresizedLayer); the C steps' own rows handed back as plain layers (hold)

@@ -7,8 +7,8 @@ rows after each head's positions, where the question's keys and values are writt
 question's cut (snapkv.compression.compress) then gathers the kept positions out of it, and the buffer serves the next layer.
 A layer that is not cut is copied out of the buffer before the next layer takes it. Anything else that reads a
 deferred cache's keys or values gets each layer restored on its own, once, as an eagerly loaded cache holds it.
-Where snapkv.engine.coded_attention takes a layer (snapkv.engine.lean_decode's question pass in fp32 on a CPU with AVX-512), the layer
-never enters the buffer: it is attended from its codes and only the positions the cut keeps are restored.
+Where snapkv.engine.coded_attention takes a layer (the native engine's question pass in fp32 on a CPU with AVX-512), the
+layer never enters the buffer: it is attended from its codes and the cut restores only the positions it keeps.
 These layers reach the engines behind snapkv.engine.working_cache.WorkingCache (for_question).
 """
 
@@ -18,7 +18,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from snapkv.storage.quantize import Mixed, Quantized, dequantize
+from snapkv.compression.compress import KeepsItsPositions
+from snapkv.compression.scoring import gather_positions
+from snapkv.storage.quantize import Mixed, Quantized, dequantize, restored_positions
 
 
 class StoredLayers(Sequence):
@@ -88,11 +90,13 @@ class RestoreBuffer:
         return restored[0], restored[1]
 
 
-class RestoringLayer(DynamicLayer):
+class RestoringLayer(DynamicLayer, KeepsItsPositions):
     """A transformers cache layer over one deferred layer, for a question's pass: its first update (the question)
     restores the layer into the RestoreBuffer and writes the question after each head's positions, or appends it
     by concatenation where it is longer than the room; any later update concatenates as DynamicLayer does.
-    Before that, keys and values only tell the shape (1, kv_heads, kept, head_dim): they hold no data."""
+    Or the question's attention read the codes themselves (snapkv.engine.coded_attention): the question's rows are
+    then held apart (hold_question) until the cut keeps its positions, only those restored (keep_positions).
+    Until restored, keys and values only tell the shape (1, kv_heads, held, head_dim): they hold no data."""
 
     def __init__(self, stored_keys: "Quantized | Mixed", stored_values: "Quantized | Mixed", buffer: RestoreBuffer,
                  dtype: torch.dtype) -> None:
@@ -102,8 +106,8 @@ class RestoringLayer(DynamicLayer):
         self.device = buffer.keys.device
         self.is_initialized = True
         self.restored = False
-        placeholder = torch.empty((), dtype=dtype, device=self.device).expand(1, heads, kept, head_dim)
-        self.keys, self.values = placeholder, placeholder
+        self.question: tuple[torch.Tensor, torch.Tensor] | None = None  # held by hold_question until the cut
+        self.keys = self.values = _placeholder(dtype, self.device, heads, kept, head_dim)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if self.restored:
@@ -116,6 +120,26 @@ class RestoringLayer(DynamicLayer):
             self.keys, self.values = torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
         return self.keys, self.values
 
+    def hold_question(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The question's keys and values (1, kv_heads, q, head_dim) held after the stored positions, none of them
+        restored (their attention was read from the codes); the cut that follows keeps positions with keep_positions."""
+        heads, kept, head_dim = self.stored_keys.shape
+        self.question = (key_states, value_states)
+        self.keys = self.values = _placeholder(self.keys.dtype, self.device, heads, kept + key_states.shape[-2],
+                                               head_dim)
+
+    def keep_positions(self, indices: torch.Tensor) -> None:
+        """Keep only the positions `indices` (1, kv_heads, k), ascending: gathered where the layer was restored;
+        where it is still in its stored bits (hold_question), only those positions restored, the question's own rows
+        after them (the same bits as restoring the whole layer and gathering)."""
+        if self.restored:
+            self.keys, self.values = gather_positions(self.keys, indices), gather_positions(self.values, indices)
+            return
+        (question_keys, question_values), self.question = self.question, None
+        self.keys = restored_positions(self.stored_keys, indices, question_keys)
+        self.values = restored_positions(self.stored_values, indices, question_values)
+        self.restored = True
+
     def keep_own_copy(self) -> None:
         """Copy the keys and values out of the buffer where they still are there (the layer was not cut)."""
         if self.restored and self.buffer.holds(self.keys):
@@ -125,8 +149,16 @@ class RestoringLayer(DynamicLayer):
 
     def released(self) -> DynamicLayer:
         """A plain DynamicLayer holding what this one holds, none of it in the buffer."""
+        if self.question is not None:  # held, but no cut came: every position restored
+            held = self.keys.shape[-2]
+            self.keep_positions(torch.arange(held).expand(1, self.keys.shape[1], held))
         self.keep_own_copy()
         return plain_layer(self.keys, self.values, self.device)
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device, heads: int, held: int, head_dim: int) -> torch.Tensor:
+    """(1, heads, held, head_dim) that tells a shape and holds no data (one element, expanded)."""
+    return torch.empty((), dtype=dtype, device=device).expand(1, heads, held, head_dim)
 
 
 def plain_layer(keys: torch.Tensor, values: torch.Tensor, device: torch.device) -> DynamicLayer:

@@ -11,6 +11,7 @@ the rest, as MiKV (arXiv 2402.18096) does. Tensor functions (dequantizing by sna
 available); what a file stores is snapkv.storage.cachefile's business.
 """
 
+import ctypes
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
@@ -20,6 +21,7 @@ import torch
 from snapkv import native
 from snapkv.base.bits import (AXIS_NAMES, CHANNELS, SUPPORTED_BITS, TOKENS, Bits, Form,  # noqa: F401 (re-exported)
                               Scheme, values_per_chunk)
+from snapkv.compression.scoring import gather_positions
 from snapkv.native.threads import threads_now
 
 GROUP = 32  # KIVI's group size; unrotated 128-token key groups (and head-wide value groups) lost needles at 4 bits
@@ -290,6 +292,42 @@ def dequantize(quantized: "Quantized | Mixed | torch.Tensor", dtype: torch.dtype
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)
     x = _ungrouped(x, quantized.shape, quantized.scheme.axis)
     return out.copy_(_rotate(x) if quantized.scheme.rotated else x)
+
+
+def restored_positions(stored: "Quantized | Mixed | torch.Tensor", positions: torch.Tensor,
+                       after: torch.Tensor) -> torch.Tensor:
+    """(1, kv_heads, kept, head_dim) fp32: the rows at `positions` (1, kv_heads, kept) int64 of `stored` (kv_heads,
+    tokens, head_dim) followed by `after` (1, kv_heads, a, head_dim) fp32 (positions from `tokens` on are its rows): a
+    cut of a layer still in its stored bits. On a CPU with snapkv's C kernels only those rows are decoded
+    (snapkv/native/kernels/dequantize.c's dequantize_positions: the same bits as dequantize's); else the whole is
+    restored and the rows gathered."""
+    heads, tokens, head_dim = stored.shape
+    kept = positions.shape[2]
+    parts = [stored] if isinstance(stored, Quantized) else [stored.high, stored.low] if isinstance(stored, Mixed) else []
+    if (parts and after.dtype == torch.float32 and after.device.type == "cpu" and native.unavailable_reason() is None
+            and head_dim <= native.limit("snapkv_max_stored_head_dim")):
+        held = [(t.contiguous(), dtype) for part in parts for t, dtype in (
+            (part.packed, torch.uint8), (part.scale, torch.float16), (part.minimum, torch.float16))]
+        pointers = (ctypes.c_void_p * len(held))(*[native.pointer(t, dtype) for t, dtype in held])
+        shapes = (ctypes.c_int64 * (5 * len(parts)))(*[number for part in parts for number in (
+            part.shape[1], part.scheme.bits, int(part.scheme.axis == TOKENS), part.scheme.group,
+            (head_dim & -head_dim) if part.scheme.rotated else 0)])
+        columns = None
+        if isinstance(stored, Mixed):  # each position's column: a head's sharper tokens first, then its others
+            sharp = stored.sharp.contiguous()
+            columns = torch.empty(heads, tokens, dtype=torch.int64)
+            native.kernels().part_columns(native.pointer(sharp, torch.bool), heads, tokens,
+                                          native.pointer(columns, torch.int64))
+        wanted, rows = positions.contiguous(), after.contiguous()
+        out = torch.empty(1, heads, kept, head_dim)
+        if native.kernels().dequantize_positions(
+                pointers, shapes, len(parts), None if columns is None else native.pointer(columns, torch.int64),
+                heads, tokens, head_dim, native.pointer(wanted, torch.int64), kept,
+                native.pointer(rows, torch.float32), rows.shape[2], native.pointer(out, torch.float32),
+                threads_now()) == 0:
+            return out
+    whole = torch.cat([dequantize(stored).unsqueeze(0).to(after.device), after.float()], dim=2)
+    return gather_positions(whole, positions)
 
 
 def _held(heads: int, tokens: int, room: int, device: torch.device) -> torch.Tensor:

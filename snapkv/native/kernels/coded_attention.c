@@ -1,9 +1,10 @@
-/* A question's attention over a saved layer straight from its codes (snapkv.storage.quantize's layout), and SnapKV's cut of
- * the layer after it, in one call (attend_coded_and_cut, for snapkv.engine.coded_attention): the layer is never restored to
- * fp32 as a whole. Each tile of 64 keys or values is decoded into the nearest cache just before the register tiles
+/* A question's attention over a saved layer straight from its codes (snapkv.storage.quantize's layout), with the window's
+ * sums SnapKV's cut scores from (attend_coded, for snapkv.engine.coded_attention): the layer is never restored to fp32
+ * as a whole. Each tile of 64 keys or values is decoded into the nearest cache just before the register tiles
  * (tiles.h) read it, so an 8k-token layer of the embedded model is read as ~0.8 MB of codes rather than written and
- * read again as 12 MB of floats; only the positions the cut keeps are restored afterwards (dequantize.c's
- * dequantize_positions, the same bits as the whole layer's restore).
+ * read again as 12 MB of floats; only the positions the cut keeps are restored afterwards (by the cut:
+ * snapkv.compression.compress.cut_layer, through dequantize.c's dequantize_positions, the same bits as the whole
+ * layer's restore).
  *
  * A layer is stored as one or two parts (snapkv.storage.quantize.Quantized, or a Mixed's sharper and other tokens, each in
  * its own bits), then come the question's own keys and values in fp32: the columns of each KV head's rows are
@@ -131,7 +132,7 @@ static int readable(const coded *c, int64_t extent) {
     return extent > 0;
 }
 
-/* The attention, for attend_coded_and_cut: as few_rows.c's attend_rows (query rows, tail mask, output, window sums)
+/* The attention, for attend_coded: as few_rows.c's attend_rows (query rows, tail mask, output, window sums)
  * over the parts' codes and the question's own rows.
  *   part_pointers: per part 6 pointers: key codes, key scale, key minimum, value codes, value scale, value minimum
  *   part_shapes:   per part 6 int64: tokens, key bits, key group, keys rotated (0/1), value bits, value group
@@ -312,55 +313,40 @@ static void rotated_rows(const float *rows, int64_t count, int64_t head_dim, int
     for (int64_t r = 0; r < count; r++) hadamard_blocks(to + r * head_dim, head_dim, block, norm);
 }
 
-/* attend_coded, then SnapKV's cut of the layer (snapkv.compression.compress.cut_layer's steps) in the same call, so that no step
- * waits on Python or on waking threads: the window's sums put back in position order (sharp: a sharper share's
- * (kv_heads, stored) bool mask, its positions read first; NULL for one part),
- * pooled and averaged per KV head (window_scores), averaged over chunks of `chunk` positions (chunk_means; 1: none),
- * each word's positions given its best score (word_maxima; words: (kv_heads, tokens - window) word ids, or NULL),
- * the best `prefix_keep` positions and the question's own
- * (top_positions), and the keys and values at them restored (dequantize_positions: the same bits as the whole layer's
- * restore). The query rows, the question's values and the output are rotated here (rotation_block: the Hadamard block
- * of the rotated parts; values_rotated: the values' basis).
+/* A question's attention over a saved layer's parts with its own rows after them (attend_coded_wide), for
+ * snapkv.engine.coded_attention: the query rows, the question's values and the output rotated here (rotation_block:
+ * the Hadamard block of the rotated parts; values_rotated: the values' basis), and each query head's softmax summed over
+ * the question's last `window` rows, put back in position order (sharp: a sharper share's (kv_heads, stored) bool mask,
+ * its positions read first; NULL for one part). SnapKV's cut of the layer follows in
+ * snapkv.compression.compress.cut_layer, which scores from those sums as from any attention's and restores only the
+ * positions it keeps (dequantize.c's dequantize_positions: the same bits as the whole layer's restore).
  *   query: (kv_heads, rows, head_dim) after RoPE, not rotated; question_keys, question_values: (kv_heads, question,
- *   head_dim) as the layer computed them; out: (kv_heads, rows, head_dim); indices: (kv_heads, kept) out, ascending;
- *   keys_out, values_out: (kv_heads, kept, head_dim) out. kept must be min(prefix_keep, tokens - window) + window.
- * Returns 0, -1 for a shape it does not take or when memory runs out (nothing to use then), -2 for a NaN score. */
-int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
-                         int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
-                         int64_t rotation_block, int values_rotated, const float *question_keys,
-                         const float *question_values, const uint8_t *sharp, int kernel, int pooling, int64_t chunk,
-                         const int64_t *words, int64_t prefix_keep, int64_t window, float *out, int64_t *indices,
-                         int64_t kept, float *keys_out, float *values_out, int threads) {
-    if (!(wide_vectors(-1) || SNAPKV_WIDE_IS_PLAIN) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1 || rows % question
-        || window < 1 || window > question || prefix_keep < 0 || head_dim > MAX_HEAD_DIM
+ *   head_dim) as the layer computed them; out: (kv_heads, rows, head_dim); window_sums: (kv_heads, rows / question,
+ *   stored + question) out.
+ * Returns 0, or -1 for a shape it does not take or when memory runs out (nothing to use then). */
+int attend_coded(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale, int64_t head_dim,
+                 int parts, const void *const *part_pointers, const int64_t *part_shapes, int64_t rotation_block,
+                 int values_rotated, const float *question_keys, const float *question_values, const uint8_t *sharp,
+                 int64_t window, float *out, float *window_sums, int threads) {
+    if (!(wide_vectors(-1) || SNAPKV_WIDE_IS_PLAIN) || parts < 1 || parts > MAX_PARTS || rows < 1 || question < 1
+        || rows % question || window < 1 || window > question || head_dim > MAX_HEAD_DIM
         || (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)))
         return -1;
     int64_t stored = 0;
-    const void *key_pointers[3 * MAX_PARTS], *value_pointers[3 * MAX_PARTS];
-    int64_t key_shapes[5 * MAX_PARTS], value_shapes[5 * MAX_PARTS];
-    for (int i = 0; i < parts; i++) {  /* each kind's parts as dequantize_positions reads them */
-        const void *const *pointers = part_pointers + 6 * i;
-        const int64_t *shape = part_shapes + 6 * i;
+    for (int i = 0; i < parts; i++) {
+        const int64_t *shape = part_shapes + 6 * i;  /* tokens, key bits, key group, keys rotated, value bits, group */
         stored += shape[0];
-        for (int k = 0; k < 3; k++) key_pointers[3 * i + k] = pointers[k], value_pointers[3 * i + k] = pointers[3 + k];
-        const int64_t key_shape[5] = {shape[0], shape[1], 1, shape[2], shape[3] ? rotation_block : 0};
-        const int64_t value_shape[5] = {shape[0], shape[4], 0, shape[5], values_rotated ? rotation_block : 0};
-        memcpy(key_shapes + 5 * i, key_shape, sizeof key_shape);
-        memcpy(value_shapes + 5 * i, value_shape, sizeof value_shape);
         if ((shape[3] || values_rotated) && !rotation_block) return -1;
     }
-    const int64_t tokens = stored + question, prefix = tokens - window, group = rows / question;
-    if (kept != (prefix_keep < prefix ? prefix_keep : prefix) + window) return -1;
+    const int64_t tokens = stored + question, group = rows / question;
     float *rotated = malloc(sizeof(float) * (size_t)(kv_heads * rows * head_dim));
     float *own_values = malloc(sizeof(float) * (size_t)(kv_heads * question * head_dim));
     float *tail = malloc(sizeof(float) * (size_t)(question * question));
     float *weights = malloc(sizeof(float) * (size_t)(kv_heads * rows * tokens));
-    float *sums = malloc(sizeof(float) * (size_t)(kv_heads * group * tokens));  /* (kv_heads, group, tokens) */
-    float *scores = malloc(sizeof(float) * (size_t)(kv_heads * (prefix > 0 ? prefix : 1)));
     /* (kv_heads, stored): each position's column, a sharper share's positions read first (none for one part) */
     int64_t *column_of = sharp ? malloc(sizeof(int64_t) * (size_t)(kv_heads * stored)) : NULL;
     int status = -1;
-    if (!rotated || !own_values || !tail || !weights || !sums || !scores || (sharp && !column_of)) goto done;
+    if (!rotated || !own_values || !tail || !weights || (sharp && !column_of)) goto done;
     if (rotation_block) rotated_rows(query, kv_heads * rows, head_dim, rotation_block, rotated);
     else memcpy(rotated, query, sizeof(float) * (size_t)(kv_heads * rows * head_dim));
     if (values_rotated) rotated_rows(question_values, kv_heads * question, head_dim, rotation_block, own_values);
@@ -368,34 +354,24 @@ int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int
     for (int64_t i = 0; i < question; i++)  /* causal among the question's own tokens */
         for (int64_t j = 0; j < question; j++) tail[i * question + j] = j > i ? -INFINITY : 0.0f;
     status = attend_coded_wide(query, rotated, kv_heads, rows, question, scale, head_dim, parts, part_pointers,
-                               part_shapes, question_keys, own_values, tail, weights, out, window, sums, threads);
+                               part_shapes, question_keys, own_values, tail, weights, out, window, window_sums,
+                               threads);
     if (status) goto done;
     if (values_rotated)  /* the output back from the values' basis */
         for (int64_t r = 0; r < kv_heads * rows; r++)
             hadamard_blocks(out + r * head_dim, head_dim, rotation_block, (float)(1.0 / sqrt((double)rotation_block)));
-    if (sharp) part_columns(sharp, kv_heads, stored, column_of);
-    if (column_of) {  /* the stored columns back in position order (weights is free again: its room is used) */
+    if (sharp) {  /* the stored columns back in position order (weights is free again: its room is used) */
+        part_columns(sharp, kv_heads, stored, column_of);
         for (int64_t h = 0; h < kv_heads; h++)
             for (int64_t g = 0; g < group; g++) {
-                const float *from = sums + (h * group + g) * tokens;
+                const float *from = window_sums + (h * group + g) * tokens;
                 float *to = weights + (h * group + g) * tokens;
                 for (int64_t p = 0; p < stored; p++) to[p] = from[column_of[h * stored + p]];
                 memcpy(to + stored, from + stored, sizeof(float) * (size_t)question);
             }
-        memcpy(sums, weights, sizeof(float) * (size_t)(kv_heads * group * tokens));
+        memcpy(window_sums, weights, sizeof(float) * (size_t)(kv_heads * group * tokens));
     }
-    status = window_scores(sums, kv_heads, group, 1, prefix, group * tokens, tokens, tokens, kernel, pooling, scores,
-                           threads);
-    if (!status) status = chunk_means(scores, kv_heads, prefix, chunk);
-    if (!status && words) status = word_maxima(scores, words, kv_heads, prefix);
-    if (!status) status = top_positions(scores, kv_heads, prefix, prefix_keep, window, indices, threads);
-    if (!status)
-        status = dequantize_positions(key_pointers, key_shapes, parts, column_of, kv_heads, stored, head_dim, indices,
-                                      kept, question_keys, question, keys_out, threads);
-    if (!status)
-        status = dequantize_positions(value_pointers, value_shapes, parts, column_of, kv_heads, stored, head_dim,
-                                      indices, kept, question_values, question, values_out, threads);
 done:
-    free(rotated), free(own_values), free(tail), free(weights), free(sums), free(scores), free(column_of);
+    free(rotated), free(own_values), free(tail), free(weights), free(column_of);
     return status;
 }

@@ -66,12 +66,10 @@ int attend_rows(const float *query, int64_t kv_heads, int64_t rows, int64_t ques
                 const float *keys, int64_t key_head_stride, const float *values, int64_t value_head_stride,
                 int64_t tokens, int64_t head_dim, const float *tail_mask, float *weights, float *out,
                 int64_t window, float *window_sums, int threads);
-int attend_coded_and_cut(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
-                         int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
-                         int64_t rotation_block, int values_rotated, const float *question_keys,
-                         const float *question_values, const uint8_t *sharp, int kernel, int pooling, int64_t chunk,
-                         const int64_t *words, int64_t prefix_keep, int64_t window, float *out, int64_t *indices, int64_t kept,
-                         float *keys_out, float *values_out, int threads);
+int attend_coded(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale, int64_t head_dim,
+                 int parts, const void *const *part_pointers, const int64_t *part_shapes, int64_t rotation_block,
+                 int values_rotated, const float *question_keys, const float *question_values, const uint8_t *sharp,
+                 int64_t window, float *out, float *window_sums, int threads);
 
 /* ---- a decoded token and a question's layers (decode_step.c) ---- */
 int rope_rows(const float *x, int64_t rows, int64_t heads, int64_t head_dim, const float *cos, const float *sin,
@@ -141,13 +139,11 @@ int decode_token_generic(const decoder_shape *shape, decoder_layer *layers, int6
 int question_before_attention_generic(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
                                       const float *hidden, const float *cos, const float *sin, float *normed,
                                       float *query, float *key, float *value, int threads);
-int attend_coded_and_cut_generic(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
-                                 int64_t head_dim, int parts, const void *const *part_pointers,
-                                 const int64_t *part_shapes, int64_t rotation_block, int values_rotated,
-                                 const float *question_keys, const float *question_values, const uint8_t *sharp,
-                                 int kernel, int pooling, int64_t chunk, const int64_t *words, int64_t prefix_keep,
-                                 int64_t window, float *out, int64_t *indices, int64_t kept, float *keys_out,
-                                 float *values_out, int threads);
+int attend_coded_generic(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                         int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
+                         int64_t rotation_block, int values_rotated, const float *question_keys,
+                         const float *question_values, const uint8_t *sharp, int64_t window, float *out,
+                         float *window_sums, int threads);
 int question_after_attention_generic(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
                                      const float *attended, float *hidden, int threads);
 

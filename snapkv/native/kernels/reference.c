@@ -429,43 +429,30 @@ int question_after_attention_generic(const decoder_shape *shape, const decoder_l
     return after_attention(shape, layer, rows, attended, hidden);
 }
 
-/* ---- a question's attention over a saved layer and SnapKV's cut of it (coded_attention.c) ---- */
+/* ---- a question's attention over a saved layer (coded_attention.c) ---- */
 
-/* Whether position j of a head ranks above position i: a higher score, or an equal one and earlier. */
-static int ranks_above(const float *scores, int64_t j, int64_t i) {
-    return scores[j] > scores[i] || (scores[j] == scores[i] && j < i);
-}
-
-/* coded_attention.c's attend_coded_and_cut, one formula at a time: the layer restored whole (every stored position's
- * key and value decoded and rotated back, in position order, then the question's own), the question's attention
- * over it (attend_rows_generic's, causal among the question's tokens), each query head's softmax summed over the
- * question's last `window` rows, pooled over [j - kernel / 2, j + kernel / 2] of the positions before the window (the
- * largest, or the mean with zeros past the ends), averaged over the KV head's query heads, then averaged over chunks
- * of `chunk` positions and given each word's best score (words), and per KV head the `prefix_keep` best positions
- * (the earlier among equals) and the window's kept, ascending, with their keys and values. */
-int attend_coded_and_cut_generic(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
-                                 int64_t head_dim, int parts, const void *const *part_pointers,
-                                 const int64_t *part_shapes, int64_t rotation_block, int values_rotated,
-                                 const float *question_keys, const float *question_values, const uint8_t *sharp,
-                                 int kernel, int pooling, int64_t chunk, const int64_t *words, int64_t prefix_keep,
-                                 int64_t window, float *out, int64_t *indices, int64_t kept, float *keys_out,
-                                 float *values_out, int threads) {
+/* coded_attention.c's attend_coded, one formula at a time: the layer restored whole (every stored position's key and
+ * value decoded and rotated back, in position order, then the question's own), the question's attention over it
+ * (attend_rows_generic's, causal among the question's tokens), and each query head's softmax summed over the
+ * question's last `window` rows, in position order. */
+int attend_coded_generic(const float *query, int64_t kv_heads, int64_t rows, int64_t question, float scale,
+                         int64_t head_dim, int parts, const void *const *part_pointers, const int64_t *part_shapes,
+                         int64_t rotation_block, int values_rotated, const float *question_keys,
+                         const float *question_values, const uint8_t *sharp, int64_t window, float *out,
+                         float *window_sums, int threads) {
     (void)threads;
     if (parts < 1 || parts > SNAPKV_MAX_PARTS || rows < 1 || question < 1 || rows % question || window < 1
-        || window > question || prefix_keep < 0 || head_dim > SNAPKV_MAX_ATTENTION_HEAD_DIM || kernel < 1 || chunk < 1
+        || window > question || head_dim > SNAPKV_MAX_ATTENTION_HEAD_DIM
         || (rotation_block && (rotation_block & (rotation_block - 1) || head_dim % rotation_block)))
         return -1;
     int64_t stored = 0;
     for (int i = 0; i < parts; i++) stored += part_shapes[6 * i];
-    const int64_t tokens = stored + question, prefix = tokens - window, group = rows / question;
-    const int64_t keep = prefix_keep < prefix ? prefix_keep : prefix;
-    if (kept != keep + window) return -1;
+    const int64_t tokens = stored + question, group = rows / question;
     float *keys = malloc(sizeof(float) * (size_t)(kv_heads * tokens * head_dim));    /* (kv_heads, tokens, head_dim) */
     float *values = malloc(sizeof(float) * (size_t)(kv_heads * tokens * head_dim));
     double *weights = malloc(sizeof(double) * (size_t)tokens);
     double *sums = malloc(sizeof(double) * (size_t)(group * tokens));                 /* one KV head's (group, tokens) */
-    float *scores = malloc(sizeof(float) * (size_t)(kv_heads * (prefix > 0 ? prefix : 1)));  /* (kv_heads, prefix) */
-    int status = keys && values && weights && sums && scores ? 0 : -1;
+    int status = keys && values && weights && sums ? 0 : -1;
     for (int64_t h = 0; h < kv_heads && status == 0; h++) {
         int64_t sharper = 0;  /* a sharper share's positions come first among the columns */
         for (int64_t p = 0; sharp && p < stored; p++) sharper += sharp[h * stored + p] != 0;
@@ -507,51 +494,11 @@ int attend_coded_and_cut_generic(const float *query, int64_t kv_heads, int64_t r
             for (int64_t t = 0; i >= question - window && t < tokens; t++)
                 head_sums[t] = (i == question - window ? 0.0 : head_sums[t]) + weights[t] / total;
         }
-        float *row = scores + h * prefix;
-        for (int64_t j = 0; j < prefix; j++) {
-            double pooled_total = 0.0;
-            for (int64_t g = 0; g < group; g++) {
-                double pooled = pooling ? -INFINITY : 0.0;
-                for (int64_t at = j - kernel / 2; at <= j + kernel / 2; at++) {
-                    const double value = at >= 0 && at < prefix ? sums[g * tokens + at] : (pooling ? -INFINITY : 0.0);
-                    pooled = pooling ? (value > pooled ? value : pooled) : pooled + value;
-                }
-                pooled_total += pooling ? pooled : pooled / kernel;
-            }
-            row[j] = (float)(pooled_total / (double)group);
-        }
-        for (int64_t start = 0; chunk > 1 && start < prefix; start += chunk) {  /* each chunk's mean */
-            const int64_t stop = start + chunk < prefix ? start + chunk : prefix;
-            double total = 0.0;
-            for (int64_t j = start; j < stop; j++) total += row[j];
-            for (int64_t j = start; j < stop; j++) row[j] = (float)(total / (double)(stop - start));
-        }
-        for (int64_t j = 0; words && j < prefix; j++) {  /* each word's best: words ascend along a row */
-            float best = row[j];
-            for (int64_t other = 0; other < prefix; other++)
-                if (words[h * prefix + other] == words[h * prefix + j] && row[other] > best) best = row[other];
-            row[j] = best;  /* a word's best stays its best as its positions take it */
-        }
-        for (int64_t j = 0; j < prefix; j++)
-            if (row[j] != row[j]) status = -2;
-        int64_t *chosen = indices + h * kept, taken = 0;
-        for (int64_t j = 0; j < prefix && status == 0; j++) {  /* j is kept where fewer than `keep` rank above it */
-            int64_t above = 0;
-            for (int64_t other = 0; other < prefix; other++) above += ranks_above(row, other, j);
-            if (above < keep) chosen[taken++] = j;
-        }
-        for (int64_t j = 0; j < window; j++) chosen[taken++] = prefix + j;
-        for (int64_t i = 0; i < kept && status == 0; i++) {
-            memcpy(keys_out + (h * kept + i) * head_dim, keys + (h * tokens + chosen[i]) * head_dim,
-                   sizeof(float) * (size_t)head_dim);
-            memcpy(values_out + (h * kept + i) * head_dim, values + (h * tokens + chosen[i]) * head_dim,
-                   sizeof(float) * (size_t)head_dim);
-        }
+        for (int64_t t = 0; t < group * tokens; t++) window_sums[h * group * tokens + t] = (float)sums[t];
     }
     free(keys);
     free(values);
     free(weights);
     free(sums);
-    free(scores);
     return status;
 }
