@@ -199,10 +199,21 @@ def s3_ask(client: openai.OpenAI, question: str) -> str:
     return raw.headers[REPLICA_HEADER]
 
 
-def run_s3(argv: list[str]) -> None:
-    import s3fs  # only the S3 studies need it
+def s3_filesystem(doc: str, argv: list[str], **options):
+    """The S3 studies' start: their --help, then s3fs's filesystem at FSSPEC_S3_ENDPOINT_URL, or a clear exit where
+    s3fs or the endpoint is missing."""
+    argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    try:
+        import s3fs  # only the S3 studies need it
+    except ImportError:
+        raise SystemExit("this study needs s3fs beside snapkv: pip install s3fs (see --help)") from None
+    if not os.environ.get("FSSPEC_S3_ENDPOINT_URL"):
+        raise SystemExit("set FSSPEC_S3_ENDPOINT_URL to the S3 endpoint (see --help)")
+    return s3fs.S3FileSystem(**options)
 
-    s3 = s3fs.S3FileSystem()  # FSSPEC_S3_ENDPOINT_URL, as the replicas read it
+
+def run_s3(argv: list[str]) -> None:
+    s3 = s3_filesystem(S3_DOC, argv)  # FSSPEC_S3_ENDPOINT_URL, as the replicas read it
     if not s3.exists("snapkv-shared"):
         s3.mkdir("snapkv-shared")
     local = CacheStore().root  # this machine's store, which the replicas share here
@@ -243,10 +254,8 @@ Not a CI check (it needs s3fs and an S3 endpoint). With moto's S3 server standin
 
 
 def run_store_s3(argv: list[str]) -> None:
-    """The shared store on S3's protocol: two "machines" (two local stores) share s3://snapkv-shared/caches; the first"""
-    import s3fs  # only the S3 studies need it
-
-    fs = s3fs.S3FileSystem(client_kwargs={"endpoint_url": os.environ["FSSPEC_S3_ENDPOINT_URL"]})
+    """The shared store on S3's protocol (STORE_S3_DOC)."""
+    fs = s3_filesystem(STORE_S3_DOC, argv, client_kwargs={"endpoint_url": os.environ.get("FSSPEC_S3_ENDPOINT_URL")})
     if not fs.exists("snapkv-shared"):
         fs.mkdir("snapkv-shared")
     url = "s3://snapkv-shared/caches"

@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "simd.h"
+#include "simd.h"  /* with vectors.h: f32x8_sum, the lanes' sum */
 
 #define BLOCK 32
 
@@ -89,7 +89,7 @@ int matmul_4bit_int8(const float *x, int64_t k, const uint8_t *codes, const floa
                 even = _mm256_fmadd_ps(pair_sums(products), block_scale, even);
             from_minimum += row_minimum[b] * sums[b];
         }
-        y[out] = lane_sum(_mm256_add_ps(even, odd)) + from_minimum;
+        y[out] = f32x8_sum(_mm256_add_ps(even, odd)) + from_minimum;
     }
     free_row(&row);
     return 0;
@@ -120,7 +120,7 @@ int matmul_8bit_int8(const float *x, int64_t k, const int8_t *codes, const float
             else
                 even = _mm256_fmadd_ps(pair_sums(products), block_scale, even);
         }
-        y[out] = lane_sum(_mm256_add_ps(even, odd));
+        y[out] = f32x8_sum(_mm256_add_ps(even, odd));
     }
     free_row(&row);
     return 0;
