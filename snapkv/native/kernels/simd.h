@@ -9,6 +9,20 @@
 #include <stdint.h>
 #include <string.h>
 
+/* e^x's constants, one set for exp_4 and exp_8 (here) and exp_16 (tiles.h): x = n ln 2 + r, ln 2 in two parts (the
+ * first exact in few bits, so n ln 2 is subtracted without rounding), then e^r = 1 + r + r^2 (P5 + r (P4 + ...));
+ * 0 below EXP_LOWEST, where expf underflows. */
+#define EXP_LOWEST (-87.3f)
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_LN2_HIGH 0.693359375f
+#define EXP_LN2_LOW (-2.12194440e-4f)
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
 #if defined(SNAPKV_PORTABLE)
 /* The generic build: gcc keeps a vector of 8 lanes in memory where the target's registers hold 4 (SSE2, NEON) and
  * writes its comparisons and roundings a lane at a time (on SSE2 a call of rintf per lane), so there exp_8 is made
@@ -37,18 +51,18 @@ static inline lanes_4 nearest_4(lanes_4 a) {
 
 /* exp_8's operations (below) on 4 lanes. */
 static inline lanes_4 exp_4(lanes_4 x) {
-    const lanes_4 lowest = splat_4(-87.3f);
+    const lanes_4 lowest = splat_4(EXP_LOWEST);
     const words_4 underflow = (words_4)(x < lowest);
     x = plain_max4(x, lowest);
-    const lanes_4 n = nearest_4(x * splat_4(1.44269504088896341f));
-    lanes_4 r = fma_4(-n, splat_4(0.693359375f), x);
-    r = fma_4(-n, splat_4(-2.12194440e-4f), r);
-    lanes_4 p = splat_4(1.9875691500e-4f);
-    p = fma_4(p, r, splat_4(1.3981999507e-3f));
-    p = fma_4(p, r, splat_4(8.3334519073e-3f));
-    p = fma_4(p, r, splat_4(4.1665795894e-2f));
-    p = fma_4(p, r, splat_4(1.6666665459e-1f));
-    p = fma_4(p, r, splat_4(5.0000001201e-1f));
+    const lanes_4 n = nearest_4(x * splat_4(EXP_LOG2E));
+    lanes_4 r = fma_4(-n, splat_4(EXP_LN2_HIGH), x);
+    r = fma_4(-n, splat_4(EXP_LN2_LOW), r);
+    lanes_4 p = splat_4(EXP_P0);
+    p = fma_4(p, r, splat_4(EXP_P1));
+    p = fma_4(p, r, splat_4(EXP_P2));
+    p = fma_4(p, r, splat_4(EXP_P3));
+    p = fma_4(p, r, splat_4(EXP_P4));
+    p = fma_4(p, r, splat_4(EXP_P5));
     p = fma_4(p, r * r, r + splat_4(1.0f));
     const words_4 two_to_n = (__builtin_convertvector(n, words_4) + 127) << 23;  /* n whole, -126..128 */
     return select_4(underflow, splat_4(0.0f), p * (lanes_4)two_to_n);
@@ -68,18 +82,18 @@ static inline f32x8 exp_8(f32x8 x) {
 #else
 /* e^x for 8 lanes (x = n ln 2 + r, then a polynomial in r); 0 below -87.3, where expf underflows. */
 static inline f32x8 exp_8(f32x8 x) {
-    const f32x8 lowest = f32x8_splat(-87.3f);
+    const f32x8 lowest = f32x8_splat(EXP_LOWEST);
     const f32x8 underflow = f32x8_less(x, lowest);
     x = f32x8_max(x, lowest);
-    const f32x8 n = f32x8_nearest(f32x8_mul(x, f32x8_splat(1.44269504088896341f)));
-    f32x8 r = f32x8_fnma(n, f32x8_splat(0.693359375f), x);
-    r = f32x8_fnma(n, f32x8_splat(-2.12194440e-4f), r);
-    f32x8 p = f32x8_splat(1.9875691500e-4f);
-    p = f32x8_fma(p, r, f32x8_splat(1.3981999507e-3f));
-    p = f32x8_fma(p, r, f32x8_splat(8.3334519073e-3f));
-    p = f32x8_fma(p, r, f32x8_splat(4.1665795894e-2f));
-    p = f32x8_fma(p, r, f32x8_splat(1.6666665459e-1f));
-    p = f32x8_fma(p, r, f32x8_splat(5.0000001201e-1f));
+    const f32x8 n = f32x8_nearest(f32x8_mul(x, f32x8_splat(EXP_LOG2E)));
+    f32x8 r = f32x8_fnma(n, f32x8_splat(EXP_LN2_HIGH), x);
+    r = f32x8_fnma(n, f32x8_splat(EXP_LN2_LOW), r);
+    f32x8 p = f32x8_splat(EXP_P0);
+    p = f32x8_fma(p, r, f32x8_splat(EXP_P1));
+    p = f32x8_fma(p, r, f32x8_splat(EXP_P2));
+    p = f32x8_fma(p, r, f32x8_splat(EXP_P3));
+    p = f32x8_fma(p, r, f32x8_splat(EXP_P4));
+    p = f32x8_fma(p, r, f32x8_splat(EXP_P5));
     p = f32x8_fma(p, f32x8_mul(r, r), f32x8_add(r, f32x8_splat(1.0f)));
     const i32x8 two_to_n = i32x8_shift_left(i32x8_add(i32x8_nearest_of(n), i32x8_splat(127)), 23);
     return f32x8_zero_where(underflow, f32x8_mul(p, i32x8_as_floats(two_to_n)));

@@ -196,18 +196,18 @@ static inline void narrow_tile_product(const float *const a[ROW_BLOCK], const fl
 
 /* exp_8 (simd.h) in 16 lanes: the same operations, so the same bits in every lane. */
 WIDE static inline f32x16 exp_16(f32x16 x) {
-    const f32x16 lowest = f32x16_splat(-87.3f);
+    const f32x16 lowest = f32x16_splat(EXP_LOWEST);
     const mask16 underflow = f32x16_less(x, lowest);
     x = f32x16_max(x, lowest);
-    const f32x16 n = f32x16_nearest(f32x16_mul(x, f32x16_splat(1.44269504088896341f)));
-    f32x16 r = f32x16_fnma(n, f32x16_splat(0.693359375f), x);
-    r = f32x16_fnma(n, f32x16_splat(-2.12194440e-4f), r);
-    f32x16 p = f32x16_splat(1.9875691500e-4f);
-    p = f32x16_fma(p, r, f32x16_splat(1.3981999507e-3f));
-    p = f32x16_fma(p, r, f32x16_splat(8.3334519073e-3f));
-    p = f32x16_fma(p, r, f32x16_splat(4.1665795894e-2f));
-    p = f32x16_fma(p, r, f32x16_splat(1.6666665459e-1f));
-    p = f32x16_fma(p, r, f32x16_splat(5.0000001201e-1f));
+    const f32x16 n = f32x16_nearest(f32x16_mul(x, f32x16_splat(EXP_LOG2E)));
+    f32x16 r = f32x16_fnma(n, f32x16_splat(EXP_LN2_HIGH), x);
+    r = f32x16_fnma(n, f32x16_splat(EXP_LN2_LOW), r);
+    f32x16 p = f32x16_splat(EXP_P0);
+    p = f32x16_fma(p, r, f32x16_splat(EXP_P1));
+    p = f32x16_fma(p, r, f32x16_splat(EXP_P2));
+    p = f32x16_fma(p, r, f32x16_splat(EXP_P3));
+    p = f32x16_fma(p, r, f32x16_splat(EXP_P4));
+    p = f32x16_fma(p, r, f32x16_splat(EXP_P5));
     p = f32x16_fma(p, f32x16_mul(r, r), f32x16_add(r, f32x16_splat(1.0f)));
     const i32x16 two_to_n = i32x16_shift_left(i32x16_add(i32x16_nearest_of(n), i32x16_splat(127)), 23);
     return f32x16_keep_where((mask16)~underflow, f32x16_mul(p, i32x16_as_floats(two_to_n)));
