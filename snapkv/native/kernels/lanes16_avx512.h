@@ -64,6 +64,11 @@ LANES16 f32x8 f32x16_high_half(f32x16 v) { return _mm512_extractf32x8_ps(v, 1); 
 /* 16 bytes widened to floats: unsigned, or signed. */
 LANES16 f32x16 f32x16_from_u8(u8x16 bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); }
 LANES16 f32x16 f32x16_from_i8(u8x16 bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)); }
+/* The float 0..15 that each lane's low 4 bits count, its other bits ignored: a lookup in a table of 16 floats, the
+ * same values as a conversion, off the pipes the conversion and the multiply-adds share (4-bit codes 1.2x faster). */
+LANES16 f32x16 f32x16_of_low4(i32x16 a) {
+    return _mm512_permutexvar_ps(a, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+}
 /* 16 bf16 values as the fp32 values they are; and 8 of them, zeros above. */
 LANES16 f32x16 f32x16_from_bf16(const uint16_t *p) {
     const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -81,6 +86,7 @@ LANES16 i32x16 i32x16_of(int e0, int e1, int e2, int e3, int e4, int e5, int e6,
     return _mm512_setr_epi32(e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15);
 }
 LANES16 i32x16 i32x16_load(const void *p) { return _mm512_loadu_si512(p); }
+LANES16 i32x16 i32x16_from_u8(u8x16 bytes) { return _mm512_cvtepu8_epi32(bytes); }  /* 16 bytes widened */
 LANES16 i32x16 i32x16_add(i32x16 a, i32x16 b) { return _mm512_add_epi32(a, b); }
 LANES16 i32x16 i32x16_mul(i32x16 a, i32x16 b) { return _mm512_mullo_epi32(a, b); }  /* the low 32 bits */
 LANES16 i32x16 i32x16_and(i32x16 a, i32x16 b) { return _mm512_and_si512(a, b); }

@@ -89,6 +89,7 @@ LANES16 f32x16 f32x16_from_i8(u8x16 bytes) {
     EACH_LANE(16) v[i] = (float)b[i];
     return v;
 }
+LANES16 f32x16 f32x16_of_low4(i32x16 a) { f32x16 v; EACH_LANE(16) v[i] = (float)(a[i] & 15); return v; }
 LANES16 f32x16 f32x16_from_bf16(const uint16_t *p) {
     uint32_t bits[16];
     EACH_LANE(16) bits[i] = (uint32_t)p[i] << 16;
@@ -111,6 +112,13 @@ LANES16 i32x16 i32x16_of(int e0, int e1, int e2, int e3, int e4, int e5, int e6,
     return (i32x16){e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15};
 }
 LANES16 i32x16 i32x16_load(const void *p) { i32x16 v; memcpy(&v, p, 64); return v; }
+LANES16 i32x16 i32x16_from_u8(u8x16 bytes) {
+    uint8_t b[16];
+    memcpy(b, &bytes, 16);
+    i32x16 v;
+    EACH_LANE(16) v[i] = b[i];
+    return v;
+}
 LANES16 i32x16 i32x16_add(i32x16 a, i32x16 b) { return (i32x16)((plain_words16)a + (plain_words16)b); }
 LANES16 i32x16 i32x16_mul(i32x16 a, i32x16 b) { return (i32x16)((plain_words16)a * (plain_words16)b); }
 LANES16 i32x16 i32x16_and(i32x16 a, i32x16 b) { return a & b; }
