@@ -8,7 +8,6 @@ from enum import Enum
 from typing import Annotated, Optional
 
 import typer
-from snapkv.base.bits import Bits
 from snapkv.compression.config import DEFAULTS
 from snapkv.base.errors import ConfigError
 from snapkv.base.sizes import parse_size, parse_sizes
@@ -218,7 +217,8 @@ FIDELITY_TIERS = "16/8,8,8r/8,8r/4g32,16/4,8/4,4g32,4/3,3/2+20%@8/4"  # the defa
 def fidelity(
     tiers: str = typer.Option(
         FIDELITY_TIERS, help="Stored tiers to compare with the 16-bit cache (--store-bits values), "
-        "comma-separated; the default tier is always included; 'none' for none."),
+        "comma-separated; BITS~SHARE keeps that share of the document's positions, ranked by the pseudo-question "
+        "probes, in BITS (8~45%: as --store-keep 0.45); the default tier is always included; 'none' for none."),
     budget: int = typer.Option(DEFAULTS.budget, parser=lambda v: v if isinstance(v, int) else parse_size(v, name="--budget"),
                                metavar="SIZE", help="Per-question budget the stored tiers are compared at."),
     budgets: str = typer.Option(
@@ -266,18 +266,18 @@ def fidelity(
     from snapkv.compression.config import DEFAULT_SYSTEM, ENGINE_CHOICES
     from snapkv.compression.methods import METHODS
     from snapkv.measure.fidelity import (FULL, cut_method_parts, load_documents, needle_documents, parse_cut_sizes,
-                                         run_fidelity, settings_for)
+                                         parse_tier, run_fidelity, settings_for)
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console
 
     try:
-        tier_bits = [] if tiers.strip().lower() == "none" else [Bits.parse(t) for t in tiers.split(",") if t.strip()]
+        stored_tiers = [] if tiers.strip().lower() == "none" else [parse_tier(t) for t in tiers.split(",") if t.strip()]
     except ValueError as error:
         raise ConfigError(f"--tiers: {error}") from None
-    if tier_bits:
-        tier_bits = list(dict.fromkeys([*tier_bits, DEFAULTS.store_bits]))
-    tier_bits = [bits for bits in tier_bits if bits != 16]
+    if stored_tiers:
+        stored_tiers = list(dict.fromkeys([*stored_tiers, (DEFAULTS.store_bits, None)]))
+    stored_tiers = [tier for tier in stored_tiers if tier != (16, None)]
     try:
         cut_sizes = parse_cut_sizes(budgets) if budgets.strip() else [(budget, None)]
     except ValueError as error:
@@ -326,13 +326,13 @@ def fidelity(
             write_atomically(output, lambda temp: temp.write_text(text, encoding="utf-8"), "the results")
 
     questions = sum(len(d.questions) for d in chosen)
-    settings = settings_for(tier_bits, budget, cut_sizes, cut_methods, floor, cut_kernels)
+    settings = settings_for(stored_tiers, budget, cut_sizes, cut_methods, floor, cut_kernels)
     if more:
         settings = [s for s in settings if s != FULL]
     err.print(f"{len(chosen)} documents, {questions} questions, {len(settings)} settings: "
               f"{', '.join(s.name for s in settings)}", markup=False, soft_wrap=True)
     with working(err, "Evaluating...") as update:
-        result = run_fidelity(loaded, chosen, tier_bits, budget, on_progress=update, on_document=keep,
+        result = run_fidelity(loaded, chosen, stored_tiers, budget, on_progress=update, on_document=keep,
                               settings=settings, system=DEFAULT_SYSTEM, models=models)
     data = result.to_dict()
     if output is not None:

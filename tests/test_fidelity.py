@@ -7,7 +7,8 @@ import pytest
 from snapkv.base.bits import Bits
 from snapkv.compression.config import DEFAULTS
 from snapkv.io.facts import compare, fact_found, first_sentence, how_changed, names_of, numbers_of, sentence_complete
-from snapkv.measure.fidelity import FULL, Setting, compare_settings, load_documents, needle_documents, run_fidelity, settings_for
+from snapkv.measure.fidelity import (FULL, FidelityResult, Setting, compare_settings, load_documents, needle_documents,
+                                     run_fidelity, settings_for, summarize)
 from snapkv_cli.evaluate import SHIPPED_DOCUMENTS
 
 
@@ -146,6 +147,31 @@ def test_settings_and_comparisons_count_questions():
     assert comparison.examples[0]["changes"] == ["121.3 -> 179.3"]
 
 
+def test_a_stored_share_is_a_tier_of_its_own_compared_with_the_whole_16_bit_file():
+    from snapkv.measure.fidelity import parse_tier
+
+    assert parse_tier("8") == (Bits(8), None) and parse_tier("8/4g32~45%") == (Bits.parse("8/4g32"), 0.45)
+    for wrong in ("8~", "8~0%", "8~100%", "8~45", "8~x%"):
+        with pytest.raises(ValueError, match="share of the document"):
+            parse_tier(wrong)
+    settings = settings_for([Bits(8), (Bits(8), 0.45), (Bits(4, 3), 0.6)], 512, [512], ["snapkv+words"])
+    names = [s.name for s in settings]
+    assert names == ["full", "16 @512 words", "8 @512 words", "8~45% @512 words", "4/3~60% @512 words"]
+    assert [Setting.parse(name) for name in names] == settings
+    stored = settings[3]
+    assert stored.whole_16_bit == settings[1] and stored.config(DEFAULTS).store_keep == 0.45
+    assert settings[2].config(DEFAULTS).store_keep is None
+    answers = [{"text": "It was 121.3.", "found": True}]
+    record = {"name": "d", "questions": [{"question": "q", "answer": "121.3"}],
+              "file_bytes": {name: 100 for name in names}, "answers": {name: answers for name in names}}
+    result = FidelityResult("m", "float32", 512, names, documents=[record])
+    summarize(result, settings)
+    assert [(c.setting, c.reference) for c in result.storage] == [
+        ("8 @512 words", "16 @512 words"), ("8~45% @512 words", "16 @512 words"),
+        ("4/3~60% @512 words", "16 @512 words")]
+    assert [c.setting for c in result.compression] == ["16 @512 words"]
+
+
 def test_cut_methods_carry_their_flags_into_setting_names_and_back():
     from snapkv.measure.fidelity import cut_method_parts
 
@@ -182,8 +208,9 @@ def test_run_fidelity_on_a_tiny_model_compares_every_setting(tiny_loaded, tmp_pa
     text = " ".join(f"Item {i} costs {i * 7}.5 pounds." for i in range(40))
     document = FactDocument("tiny", text, (Question("What does item 3 cost?", "21.5"),
                                            Question("What does item 30 cost?", "210.5", detail="secondary")))
-    result = run_fidelity(tiny_loaded, [document], [Bits(8), Bits(4, 3)], budget=2048, budgets=[2048, 128])
-    assert result.settings == ["full", "16 @2048", "16 @128", "8 @2048", "4/3 @2048"]
+    result = run_fidelity(tiny_loaded, [document], [Bits(8), Bits(4, 3), (Bits(8), 0.5)], budget=2048,
+                          budgets=[2048, 128])
+    assert result.settings == ["full", "16 @2048", "16 @128", "8 @2048", "4/3 @2048", "8~50% @2048"]
     (record,) = result.documents
     assert all(len(answers) == 2 for answers in record["answers"].values())
     assert record["answers"]["16 @2048"] == [{**a, "seconds": b["seconds"]} for a, b in
@@ -191,7 +218,10 @@ def test_run_fidelity_on_a_tiny_model_compares_every_setting(tiny_loaded, tmp_pa
     compression = {c.setting: c for c in result.compression}
     assert compression["16 @2048"].agreed == 2 and compression["16 @2048"].changed == 0
     storage = {c.setting: c for c in result.storage}
-    assert set(storage) == {"8 @2048", "4/3 @2048"} and storage["4/3 @2048"].bytes_ratio > storage["8 @2048"].bytes_ratio > 1.5
+    assert set(storage) == {"8 @2048", "4/3 @2048", "8~50% @2048"}
+    assert storage["4/3 @2048"].bytes_ratio > storage["8 @2048"].bytes_ratio > 1.5
+    # half the document's positions dropped: a smaller file than the whole prompt's in the same bits
+    assert storage["8~50% @2048"].bytes_ratio > 1.3 * storage["8 @2048"].bytes_ratio
     json.dumps(result.to_dict())  # all of it serialisable
 
 
@@ -266,7 +296,6 @@ def test_beyond_chance_is_fishers_one_sided_test():
 
 
 def test_comparisons_are_judged_against_the_floor():
-    from snapkv.measure.fidelity import FidelityResult, summarize
 
     questions = [{"question": f"q{i}", "answer": str(i)} for i in range(40)]
     right = [{"text": f"It is {i}.", "found": True} for i in range(40)]
@@ -284,7 +313,6 @@ def test_comparisons_are_judged_against_the_floor():
 def test_a_run_without_the_full_cache_still_compares_its_tiers():
     """eval fidelity --more asks no full cache: its stored tiers are compared with its 16-bit file all the same,
     and nothing is judged against a floor it did not measure."""
-    from snapkv.measure.fidelity import FidelityResult, summarize
 
     questions = [{"question": f"q{i}", "answer": str(i)} for i in range(10)]
     right = [{"text": f"It is {i}.", "found": True} for i in range(10)]

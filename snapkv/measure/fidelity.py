@@ -112,6 +112,9 @@ def cut_method_parts(text: str) -> tuple[str, dict[str, bool]]:
 class Setting:
     """One way of answering: a stored tier's bits and a per-question cut.
 
+    stored: the stored tier keeps this share of the document's positions, ranked by the default store method (the
+    pseudo-question probes; SnapKVConfig.store_keep), before it is rounded to `bits`; None: every position. Named
+    "BITS~SHARE" ("8~45% @2048 words").
     budget: positions per KV head each question keeps; keep: or that share of the prompt instead; neither: the
     full cache, no cut. method: the per-question cut's method (snapkv.compression.methods), with `kernel` for its
     pooling where given. computation: another engine (torch, native, reference) or model dtype (bfloat16,
@@ -128,6 +131,7 @@ class Setting:
     words: bool = False  # the cut keeps words whole (Cut.whole_words)
     pyramid: bool = False  # the cut's budget differs by layer (Cut.pyramid)
     numbers: bool = False  # with words: numbers kept whole with their neighbours (Cut.numbers_with_neighbours)
+    stored: float | None = None
 
     @property
     def full(self) -> bool:
@@ -138,13 +142,23 @@ class Setting:
         if self.full:
             name = "full"
         else:
-            name = f"{self.bits} @{self.budget}" if self.keep is None else f"{self.bits} @{self.keep:.0%}"
+            name = f"{self.tier} @{self.budget}" if self.keep is None else f"{self.tier} @{self.keep:.0%}"
             name += "" if self.method == "snapkv" else f" {self.method}"
             name += " words" if self.words else ""
             name += " numbers" if self.numbers else ""
             name += " pyramid" if self.pyramid else ""
             name += "" if self.kernel is None else f" k{self.kernel}"
         return name + (f" [{self.computation}]" if self.computation else "")
+
+    @property
+    def tier(self) -> str:
+        """The stored tier's name: its bits, and the share of the document it keeps where not all ("8~45%")."""
+        return str(self.bits) if self.stored is None else f"{self.bits}~{self.stored:.0%}"
+
+    @property
+    def whole_16_bit(self) -> "Setting":
+        """The same cut answered from the whole prompt's 16-bit file: what a stored tier is compared with."""
+        return replace(self, bits=Bits(16), stored=None)
 
     @classmethod
     def parse(cls, name: str) -> "Setting":
@@ -156,11 +170,12 @@ class Setting:
         if full:
             return cls(Bits(16), None, computation=computation or "")
         budget, keep = (None, float(size[:-1]) / 100) if size.endswith("%") else (int(size), None)
-        return cls(Bits.parse(bits), budget, keep, method or "snapkv", int(kernel) if kernel else None,
-                   computation or "", bool(words), bool(pyramid), bool(numbers))
+        bits, stored = parse_tier(bits)
+        return cls(bits, budget, keep, method or "snapkv", int(kernel) if kernel else None,
+                   computation or "", bool(words), bool(pyramid), bool(numbers), stored)
 
     def config(self, base: SnapKVConfig) -> SnapKVConfig:
-        return replace(base, store_bits=self.bits, store_keep=None, store_budget=None,
+        return replace(base, store_bits=self.bits, store_keep=self.stored, store_budget=None,
                        budget=self.budget or base.budget, query_aware=True, method=self.method,
                        kernel=self.kernel or base.kernel, whole_words=self.words, pyramid=self.pyramid,
                        numbers_with_neighbours=self.numbers)
@@ -174,6 +189,17 @@ class Setting:
 
 
 FULL = Setting(Bits(16), None)
+
+
+def parse_tier(text: str) -> tuple[Bits, float | None]:
+    """"8" -> (Bits(8), None); "8~45%" -> (Bits(8), 0.45): a stored tier's bits and the share of the document it
+    keeps (None: all of it); ValueError for anything else."""
+    bits, sign, share = text.strip().partition("~")
+    if not sign:
+        return Bits.parse(bits), None
+    if not re.fullmatch(r"\d+(\.\d+)?%", share) or not 0 < float(share[:-1]) < 100:
+        raise ValueError(f"{text.strip()!r}: after ~ comes the share of the document kept, above 0% and below 100%")
+    return Bits.parse(bits), float(share[:-1]) / 100
 
 
 def parse_cut_sizes(text: str) -> list[tuple[int | None, float | None]]:
@@ -198,13 +224,13 @@ def parse_cut_sizes(text: str) -> list[tuple[int | None, float | None]]:
     return sizes
 
 
-def settings_for(tiers: list[Bits], budget: int, budgets: list[int | tuple] | None = None,
+def settings_for(tiers: list[Bits | tuple[Bits, float | None]], budget: int, budgets: list[int | tuple] | None = None,
                  methods: list[str] | None = None, floor: str = "", kernels: list[int] | None = None
                  ) -> list[Setting]:
     """The full cache (and, with `floor`, the full cache answered by that engine or dtype: the noise floor), the
     16-bit cache cut per question at each of `budgets` (ints, or (budget, share) pairs) by each of `methods` and
-    pooling `kernels` (compression), and each tier at `budget` beside the 16-bit cache at `budget`, cut by the first
-    method (storage)."""
+    pooling `kernels` (compression), and each tier (its bits, or its bits and the share it stores: parse_tier) at
+    `budget` beside the 16-bit cache at `budget`, cut by the first method (storage)."""
     sizes = [item if isinstance(item, tuple) else (item, None) for item in (budgets or [budget])]
     wanted = [FULL]
     if floor:
@@ -215,7 +241,9 @@ def settings_for(tiers: list[Bits], budget: int, budgets: list[int | tuple] | No
             wanted += [Setting(Bits(16), b, k, name, kernel, **flags) for b, k in sizes if (b, k) != (None, None)]
     if tiers:  # cut as the first method cuts
         name, flags = cuts[0]
-        wanted += [Setting(bits, budget, method=name, **flags) for bits in (Bits(16), *tiers)]
+        for tier in (Bits(16), *tiers):
+            bits, stored = tier if isinstance(tier, tuple) else (tier, None)
+            wanted.append(Setting(bits, budget, method=name, stored=stored, **flags))
     return list(dict.fromkeys(wanted))
 
 
@@ -371,13 +399,13 @@ def summarize(result: FidelityResult, settings: list[Setting]) -> None:
     against the full cache) and result.floor (the full cache through a second computation against the full cache), and
     judge every comparison against the floor where there is one."""
     names = {s.name for s in settings}
-    result.storage = [compare_settings(result.documents, s.name, replace(s, bits=Bits(16)).name)
-                      for s in settings if not s.full and s.bits != 16 and not s.computation
-                      and replace(s, bits=Bits(16)).name in names]
+    result.storage = [compare_settings(result.documents, s.name, s.whole_16_bit.name)
+                      for s in settings if not s.full and s != s.whole_16_bit and not s.computation
+                      and s.whole_16_bit.name in names]
     if FULL.name not in names:  # a run without the full cache (eval fidelity --more): only the tiers compared
         return
     result.compression = [compare_settings(result.documents, s.name, FULL.name)
-                          for s in settings if not s.full and s.bits == 16 and not s.computation]
+                          for s in settings if not s.full and s == s.whole_16_bit and not s.computation]
     # every floor measured, the other dtype's first: the variation a user meets between machines (--dtype auto
     # computes in bf16 on some CPUs, fp32 on others); two engines in one dtype agree to the bit where it matters
     floors = sorted((s for s in settings if s.full and s.computation), key=lambda s: s.computation in ENGINE_CHOICES)
@@ -403,7 +431,7 @@ def _ask(session: Session, prepared: PreparedDocument, question: Question) -> An
 Progress = Callable[[str], None]
 
 
-def run_fidelity(loaded: LoadedModel, documents: list[FactDocument], tiers: list[Bits], budget: int = DEFAULTS.budget,
+def run_fidelity(loaded: LoadedModel, documents: list[FactDocument], tiers: list, budget: int = DEFAULTS.budget,
                  budgets: list | None = None, base: SnapKVConfig = DEFAULTS,
                  on_progress: Progress | None = None, on_document: Callable[[dict], None] | None = None,
                  settings: list[Setting] | None = None, system: str | None = None,
@@ -431,23 +459,24 @@ def run_fidelity(loaded: LoadedModel, documents: list[FactDocument], tiers: list
                 on_progress(f"document {number}/{len(documents)} {fact_document.name}: prefill")
             whole = whole_session.prepare(Document(fact_document.text))
             record["tokens"] = whole.tokens
-            by_bits: dict = {}       # bits -> (the tier's file, its bytes)
-            tiers_loaded: dict = {}  # (bits, id of the model) -> the file loaded into it
+            by_tier: dict = {}       # the tier's name -> (its file, its bytes)
+            tiers_loaded: dict = {}  # (the tier's name, id of the model) -> the file loaded into it
             for setting in settings:
                 model = (models or {}).get(setting.computation, loaded)
                 engine = setting.computation if setting.computation in ENGINE_CHOICES else None
                 session = Session(model, setting.config(base), engine=engine, system=system)
-                if setting.bits not in by_bits:
+                tier = setting.tier
+                if tier not in by_tier:
                     tier_started = time.perf_counter()
-                    derived = whole if setting.bits == 16 else session.derive(whole)
-                    path = Path(folder) / f"{number}-{len(by_bits)}.snapkv"
+                    derived = whole if setting.whole_16_bit.tier == tier else session.derive(whole)
+                    path = Path(folder) / f"{number}-{len(by_tier)}.snapkv"
                     session.save(derived, path)
-                    by_bits[setting.bits] = (path, derived.file_bytes)
-                    record["tier_seconds"][str(setting.bits)] = time.perf_counter() - tier_started
-                path, file_bytes = by_bits[setting.bits]
-                if (setting.bits, id(model)) not in tiers_loaded:  # the same file, read into each model that answers
-                    tiers_loaded[setting.bits, id(model)] = session.load_file(path, check_sources=False)
-                loaded_tier = tiers_loaded[setting.bits, id(model)]
+                    by_tier[tier] = (path, derived.file_bytes)
+                    record["tier_seconds"][tier] = time.perf_counter() - tier_started
+                path, file_bytes = by_tier[tier]
+                if (tier, id(model)) not in tiers_loaded:  # the same file, read into each model that answers
+                    tiers_loaded[tier, id(model)] = session.load_file(path, check_sources=False)
+                loaded_tier = tiers_loaded[tier, id(model)]
                 prepared = loaded_tier.answering_with(setting.per_question(base))
                 answers = []
                 for index, question in enumerate(fact_document.questions):
@@ -458,7 +487,7 @@ def run_fidelity(loaded: LoadedModel, documents: list[FactDocument], tiers: list
                 record["answers"][setting.name] = answers
                 record["file_bytes"][setting.name] = file_bytes
                 record["seconds"][setting.name] = sum(a["seconds"] for a in answers)
-            for path, _ in by_bits.values():
+            for path, _ in by_tier.values():
                 path.unlink()
             result.documents.append(record)
             if on_document:

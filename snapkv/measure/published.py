@@ -84,7 +84,7 @@ def entries_of(data: dict, source: str, system: str | None) -> list[dict]:
             setting = Setting.parse(comparison.setting)
             entries.append({
                 "kind": kind, "model": data["model"], "dtype": data["dtype"],
-                "system_sha256": None if system is None else text_digest(system), "bits": str(setting.bits),
+                "system_sha256": None if system is None else text_digest(system), "bits": setting.tier,
                 "budget": setting.budget, "method": setting.method, "kernel": setting.kernel or SnapKV.kernel,
                 "whole_words": setting.words, "setting": comparison.setting, "reference": comparison.reference,
                 "answers": answers, "questions": comparison.questions, "identical": comparison.agreed,
