@@ -22,7 +22,8 @@ def describe(path: Path) -> dict:
     described = describe_file(path)
     metadata = described.metadata
     measured = measured_for(metadata.get("model", {}).get("name", ""), metadata.get("storage", {}).get("bits", 16),
-                            metadata.get("per_question"), metadata.get("system_sha256"))
+                            metadata.get("per_question"), metadata.get("system_sha256"),
+                            (metadata.get("tier") or {}).get("cut"))
     return {
         **metadata,
         "path": str(path),

@@ -285,6 +285,25 @@ def test_info_figures_are_the_files_own_settings():
     assert text_digest(DEFAULT_SYSTEM) in {e.system_sha256 for e in all_measured()}
 
 
+def test_info_figures_of_a_file_that_stores_a_share_of_the_document_are_that_share():
+    """A file made with --store-keep holds fewer positions than the whole prompt's: info shows what was measured for
+    that share in its bits, never the whole prompt's figures; a share or method not measured shows none."""
+    from snapkv.storage.measured import all_measured, measured_for, stored_tier_name
+
+    entry = next(e for e in all_measured() if e.kind == "storage" and e.bits == "8~50%")
+    cut = {"budget": entry.budget, "window": 32, "method": entry.method, "kernel": entry.kernel, "pooling": "max",
+           "whole_words": entry.whole_words}
+    stored = {"keep": 0.5, "method": "pseudo-question", "budget": 3338, "window": 32}
+    assert stored_tier_name(8, None) == "8" and stored_tier_name(8, stored) == "8~50%"
+    (storage, compression) = measured_for(entry.model, 8, cut, entry.system_sha256, stored)
+    assert storage.setting == entry.setting and storage.lost > 0 and compression.kind == "compression"
+    assert "8 bits, 50% of the document stored, against 16 bits" in storage.describe()
+    whole = measured_for(entry.model, 8, cut, entry.system_sha256)
+    assert whole[0].bits == "8" and whole[0].lost == 0
+    for other in ({**stored, "keep": 0.45}, {**stored, "method": "snapkv"}, {**stored, "keep": None}):
+        assert [e.kind for e in measured_for(entry.model, 8, cut, entry.system_sha256, other)] == ["compression"]
+
+
 def test_beyond_chance_is_fishers_one_sided_test():
     from snapkv.measure.fidelity import beyond_chance
 

@@ -33,6 +33,9 @@ RESULTS: tuple[tuple[tuple[str, ...], str | None], ...] = (
     # 8 bits in larger groups: keys by 128 tokens with values over the head (8g128/8g64), and both by 64; the 8
     # answers are the runs above's to the letter
     (("benchmarks/results/fidelity-storage-auto-2048-groups.json",), None),
+    # the whole prompt's 8 bits with only a share of the document stored (8~70%, 8~50%, 8~40%: --store-keep); the 8
+    # answers are the runs above's to the letter
+    (("benchmarks/results/fidelity-storage-auto-2048-stored-share.json",), None),
 )
 MEASURED_JSON = Path(__file__).resolve().parents[1] / "storage" / "measured.json"
 

@@ -53,7 +53,9 @@ class Measured:
             ", whole words" if self.whole_words else "") + (
             ", numbers with their neighbours" if self.numbers_with_neighbours else "") + (
             ", budgets per layer" if self.pyramid else "")
-        what = {"storage": f"{self.bits} bits against 16 bits, both cut to {cut}",
+        bits, _, share = self.bits.partition("~")
+        stored = f"{bits} bits, {share} of the document stored," if share else f"{bits} bits"
+        what = {"storage": f"{stored} against 16 bits, both cut to {cut}",
                 "compression": f"the cut to {cut} against the full cache",
                 "floor": "the noise floor (a second engine)"}[self.kind]
         floor = ("" if self.beyond_floor is None
@@ -72,15 +74,28 @@ def all_measured() -> tuple[Measured, ...]:
     return tuple(Measured(**entry) for entry in json.loads(text)["entries"])
 
 
-def measured_for(model: str, bits: "Bits | int | str", cut: dict | None,
-                 system_sha256: str | None) -> list[Measured]:
-    """The figures measured for a file's own settings (cut: its per-question cut as its metadata holds it): its stored
-    bits against 16 bits at its cut, and its cut against the full cache; the latest run of each. [] where these
-    settings were not measured."""
+def stored_tier_name(bits: "Bits | int | str", stored_cut: dict | None) -> str | None:
+    """The benchmark's name of a file's stored tier (snapkv.measure.fidelity.Setting.tier): its bits ("8"), with the
+    share of the document it keeps where it keeps one by the pseudo-question probes ("8~50%"); None for a tier the
+    benchmark does not make (a budget per head, another method) or bits that do not parse."""
     try:
-        wanted = str(Bits.parse(bits))
+        name = str(Bits.parse(bits))
     except ValueError:
-        return []
+        return None
+    if not stored_cut:
+        return name
+    keep = stored_cut.get("keep")
+    if keep is None or stored_cut.get("method") != "pseudo-question":
+        return None
+    return f"{name}~{keep:.0%}"
+
+
+def measured_for(model: str, bits: "Bits | int | str", cut: dict | None,
+                 system_sha256: str | None, stored_cut: dict | None = None) -> list[Measured]:
+    """The figures measured for a file's own settings (cut: its per-question cut as its metadata holds it; stored_cut:
+    the cut that chose its stored tier, None for the whole prompt): its stored tier against 16 bits at its cut, and
+    its cut against the full cache; the latest run of each. [] where these settings were not measured."""
+    wanted = stored_tier_name(bits, stored_cut)
     if system_sha256 is None or not cut or cut.get("budget") is None or cut.get("keep") is not None:
         return []
     method, kernel = cut.get("method"), cut.get("kernel")
@@ -91,6 +106,6 @@ def measured_for(model: str, bits: "Bits | int | str", cut: dict | None,
                 or entry.kind == "floor" or (entry.method, entry.kernel) != (method, kernel)
                 or (entry.whole_words, entry.pyramid, entry.numbers_with_neighbours) != flags):
             continue
-        if (entry.kind == "storage" and entry.bits == wanted) or entry.kind == "compression":
+        if (entry.kind == "storage" and wanted is not None and entry.bits == wanted) or entry.kind == "compression":
             found[entry.kind] = entry
     return [found[kind] for kind in ("storage", "compression") if kind in found]
