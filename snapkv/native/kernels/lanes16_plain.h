@@ -43,14 +43,22 @@ LANES16 f32x16 f32x16_sub(f32x16 a, f32x16 b) { return a - b; }
 LANES16 f32x16 f32x16_mul(f32x16 a, f32x16 b) { return a * b; }
 LANES16 f32x16 f32x16_max(f32x16 a, f32x16 b) { f32x16 v; EACH_LANE(16) v[i] = a[i] > b[i] ? a[i] : b[i]; return v; }
 LANES16 f32x16 f32x16_fma(f32x16 a, f32x16 b, f32x16 c) {
+#if PLAIN_HAS_FMA
     f32x16 v;
     EACH_LANE(16) v[i] = PLAIN_FMA(a[i], b[i], c[i]);
     return v;
+#else  /* whole vectors, the same product then sum: gcc 12 made the lane-by-lane form's sums a lane at a time */
+    return a * b + c;
+#endif
 }
 LANES16 f32x16 f32x16_fnma(f32x16 a, f32x16 b, f32x16 c) {
+#if PLAIN_HAS_FMA
     f32x16 v;
     EACH_LANE(16) v[i] = PLAIN_FMA(-a[i], b[i], c[i]);
     return v;
+#else  /* whole vectors, the same product then sum: gcc 12 made the lane-by-lane form's sums a lane at a time */
+    return -a * b + c;
+#endif
 }
 LANES16 f32x16 f32x16_nearest(f32x16 a) { f32x16 v; EACH_LANE(16) v[i] = rintf(a[i]); return v; }  /* ties to even */
 LANES16 mask16 f32x16_less(f32x16 a, f32x16 b) {

@@ -3,8 +3,10 @@
 #define SNAPKV_PLAIN_LANES_H
 
 #if defined(__FMA__) || defined(__aarch64__) || defined(__FP_FAST_FMAF)
+#define PLAIN_HAS_FMA 1
 #define PLAIN_FMA(a, b, c) __builtin_fmaf((a), (b), (c))  /* one instruction on this target */
 #else
+#define PLAIN_HAS_FMA 0
 #define PLAIN_FMA(a, b, c) ((a) * (b) + (c))              /* no fused multiply-add here: a product, then a sum */
 #endif
 
