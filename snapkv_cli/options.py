@@ -43,9 +43,7 @@ StoreBudgetOption = Annotated[Optional[int], typer.Option(
 StoreKeepOption = Annotated[Optional[float], typer.Option(
     min=0.0, max=1.0, metavar="SHARE",
     help="Query-aware: the share of the document's positions the saved file keeps, chosen by --store-method. "
-         "Default: all of them. A smaller file that loses facts later questions need: at 0.7 in 8 bits, 32 facts "
-         "the whole prompt's file stated were lost over 322 questions (snapkv eval fidelity; snapkv info shows a "
-         "file's own figures).")]
+         "Default: all of them.")]
 StoreMethodOption = Annotated[Literal["reconstruction", "snapkv", "pseudo-question", "key-norm"], typer.Option(
     help="How the saved tier's positions are chosen when --store-keep or --store-budget drops some.")]
 def _bits(value):
