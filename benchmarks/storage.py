@@ -237,66 +237,75 @@ def run_tiers(argv: list[str]) -> None:
                                          "settings": [s.name for s in chosen]}, default=str))
 
 
-SIMULATE_DOC = """A stored tier the file format cannot hold yet, simulated in memory and judged by `snapkv eval fidelity`.
+SIMULATE_DOC = """Stored tiers the file format cannot hold yet, simulated in memory and judged by `snapkv eval fidelity`.
 
-The tier --tier is rounded as its bits say, then what snapkv.measure.simulated describes is done: the first --sinks
-and last --recent positions of each head put back exact, its --key-outliers key channels of largest magnitude put
-back exact, the keys rounded before RoPE (--keys-before-rope). The result is kept in 16 bits, so every question
-reads these values as it would a real tier's; the file written is 16-bit, so its size is estimated and printed.
-The arguments after -- go to `snapkv eval fidelity` as they are (its --tiers is this --tier). Only --tier is
-simulated: run the real tier in a run of its own (`snapkv eval fidelity --tiers TIER`) to compare.
+Each tier of --tier (comma-separated) is rounded as its bits say, then what snapkv.measure.simulated describes is
+done: the first --sinks and last --recent positions of each head put back exact, its --key-outliers key channels of
+largest magnitude put back exact, the keys rounded before RoPE (--keys-before-rope). With --coded TRANSFORM the
+tier's rounding is replaced by transform coding (snapkv.measure.transform_coded: each head's principal components,
+a Hadamard rotation or its channels, one uniform step, entropy-coded), the tier's key and value bits then being
+what a value's code may cost. The result is kept in 16 bits, so every question reads these values as it would a
+real tier's; the file written is 16-bit, so its size is estimated and printed. The arguments after -- go to
+`snapkv eval fidelity` as they are (its --tiers is this --tier). Only --tier is simulated: run the real tier in a
+run of its own (`snapkv eval fidelity --tiers TIER`) to compare.
 
     .venv/bin/python benchmarks/storage.py simulate --tier 8/4g32 --sinks 4 --recent 64 -- \\
         --only mountain_expedition --needle-lengths '' --floor '' -o simulated.json
+    .venv/bin/python benchmarks/storage.py simulate --tier 8,4 --coded pca -- --only mountain_expedition ...
 """
 
 
 def run_simulate(argv: list[str]) -> int:
     from snapkv.engine import tiers
     from snapkv.measure.simulated import Simulation, estimated_ratio, simulated_layer
+    from snapkv.measure.transform_coded import TRANSFORMS
     from snapkv_cli.app import main
 
     split = argv.index("--") if "--" in argv else len(argv)
     ours, theirs = argv[:split], argv[split + 1:]  # this study's arguments, then snapkv eval fidelity's
     parser = argparse.ArgumentParser(description=SIMULATE_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
-    def tier(text: str) -> Bits:
+    def tiers_of(text: str) -> list[Bits]:
         try:
-            bits = Bits.parse(text)
+            chosen = [Bits.parse(part) for part in text.split(",")]
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
-        if bits.share:
+        if any(bits.share for bits in chosen):
             raise argparse.ArgumentTypeError("a sharper share is a tier the file holds: run it with snapkv eval fidelity")
-        return bits
+        return chosen
 
-    parser.add_argument("--tier", required=True, type=tier, help="stored bits, as --store-bits (no sharper share)")
+    parser.add_argument("--tier", required=True, type=tiers_of,
+                        help="stored bits, as --store-bits (no sharper share), comma-separated")
     parser.add_argument("--sinks", type=int, default=0, help="each head's first positions kept exact")
     parser.add_argument("--recent", type=int, default=0, help="each head's last positions kept exact")
     parser.add_argument("--key-outliers", type=int, default=0, help="key channels per head kept exact")
     parser.add_argument("--keys-before-rope", action="store_true", help="round the keys before RoPE")
+    parser.add_argument("--coded", choices=TRANSFORMS, default="",
+                        help="transform-code each head instead of rounding it, the bits what a value's code costs")
     args = parser.parse_args(ours)
     if min(args.sinks, args.recent, args.key_outliers) < 0:
         parser.error("--sinks, --recent and --key-outliers count positions or channels: 0 or more")
-    simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope)
+    simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope, args.coded)
     real = tiers.at_stored_precision
 
     def simulated(model, prompter, cache, bits, on_step=None):
-        if Bits.parse(bits) != args.tier:
+        bits = Bits.parse(bits)
+        if bits not in args.tier:
             return real(model, prompter, cache, bits, on_step)
         keys, values = [], []
         for layer_keys, layer_values, positions in zip(cache.keys, cache.values, cache.positions):
             # (kv_heads, held, head_dim) each: the rotary embedding at each head's held positions
             rope = model.model.rotary_emb(layer_keys.float(), positions) if args.keys_before_rope else None
-            layer = simulated_layer(layer_keys, layer_values, args.tier, simulation, rope)
+            layer = simulated_layer(layer_keys, layer_values, bits, simulation, rope)
             keys.append(layer[0].to(layer_keys.dtype))
             values.append(layer[1].to(layer_values.dtype))
         shape = cache.layer_shapes()[0]
-        print(f"simulated {args.tier} ({simulation.describe()}): about "
-              f"{estimated_ratio(args.tier, simulation, shape[1], shape[2]):.2f}x smaller than 16 bits at "
+        print(f"simulated {bits} ({simulation.describe()}): about "
+              f"{estimated_ratio(bits, simulation, shape[1], shape[2]):.2f}x smaller than 16 bits at "
               f"{shape[1]} positions", file=sys.stderr, flush=True)
         return replace(cache, keys=keys, values=values, payload=None).at_precision(16)
 
     tiers.at_stored_precision = simulated
-    sys.argv = ["snapkv", "eval", "fidelity", *theirs, "--tiers", str(args.tier)]
+    sys.argv = ["snapkv", "eval", "fidelity", *theirs, "--tiers", ",".join(map(str, args.tier))]
     try:
         main()
     except SystemExit as exit:
@@ -305,7 +314,8 @@ def run_simulate(argv: list[str]) -> int:
     output = next((theirs[i + 1] for i, a in enumerate(theirs[:-1]) if a in ("-o", "--output")), None)
     if output:  # the results say which tier was simulated, and how
         results = json.loads(Path(output).read_text())
-        results["simulated"] = {"tier": str(args.tier), "simulation": simulation.describe(), **asdict(simulation)}
+        results["simulated"] = {"tiers": [str(bits) for bits in args.tier], "simulation": simulation.describe(),
+                                **asdict(simulation)}
         Path(output).write_text(json.dumps(results))
     return 0
 

@@ -605,3 +605,61 @@ def test_a_simulated_tier_estimates_its_size_against_16_bits():
     with_exact = estimated_ratio(Bits.parse("8/4g32"), Simulation(sinks=4, recent=56), 6000, 64)
     assert with_exact == pytest.approx(32 / (0.01 * 32 + 0.99 * 14))
     assert estimated_ratio(Bits(16), Simulation(), 6000, 64) == 1.0
+
+
+def test_entropy_per_value_is_each_components_order_zero_entropy():
+    from snapkv.measure.transform_coded import entropy_per_value
+
+    four_levels = torch.arange(400).remainder(4).view(400, 1)  # 0..3 equally often: 2 bits
+    constant = torch.full((400, 1), 7)  # one level: 0 bits
+    halves = (torch.arange(400) < 200).long().view(400, 1) - 5  # two levels, negative too: 1 bit
+    assert entropy_per_value(four_levels) == pytest.approx(2.0)
+    assert entropy_per_value(torch.cat([four_levels, constant, halves], dim=1)) == pytest.approx(1.0)
+
+
+def test_transform_coding_meets_its_rate_and_pca_finds_what_the_channels_hide():
+    from snapkv.measure.transform_coded import (_coded_step, entropy_per_value, principal_basis,
+                                                transform_coded, transform_coded_head)
+
+    torch.manual_seed(2)
+    # a head whose 64 channels all follow one hidden direction, plus a little noise: PCA puts it in one component
+    direction = torch.nn.functional.normalize(torch.randn(64), dim=0)
+    x = torch.randn(500, 1) * 5 * direction + torch.randn(500, 64) * 0.05 + 1.0
+    centred = x - x.mean(dim=0)
+    basis = principal_basis(centred)
+    torch.testing.assert_close(basis.T @ basis, torch.eye(64), atol=1e-5, rtol=0)  # orthonormal
+    assert abs(float(basis[:, 0] @ direction)) > 0.99  # the largest component is the hidden direction
+    errors = {}
+    for transform in ("pca", "hadamard", "channels"):
+        components = {"pca": centred @ basis, "channels": centred}.get(transform)
+        if components is not None:  # the step found costs at most the rate, and little less
+            step = _coded_step(components, 3.0)
+            assert 2.9 < entropy_per_value(torch.round(components / step).long()) <= 3.0
+        restored = transform_coded_head(x, 3.0, transform)
+        errors[transform] = float((restored - x).pow(2).mean())
+        assert errors[transform] < float(centred.pow(2).mean()) * 1e-2
+        assert float((transform_coded_head(x, 6.0, transform) - x).pow(2).mean()) < errors[transform] / 16
+    assert errors["pca"] < errors["channels"] / 4 and errors["pca"] < errors["hadamard"] / 4
+    heads = torch.stack([x, x * 2])  # (kv_heads, held, head_dim): each head coded on its own
+    torch.testing.assert_close(transform_coded(heads, 3.0, "pca")[1], transform_coded_head(x * 2, 3.0, "pca"))
+    with pytest.raises(ValueError, match="transform is one of"):
+        transform_coded_head(x, 3.0, "wavelet")
+
+
+def test_a_transform_coded_simulation_replaces_the_tiers_rounding_and_counts_what_it_stores_beside():
+    from snapkv.measure.simulated import Simulation, estimated_ratio, simulated_layer
+    from snapkv.measure.transform_coded import transform_coded
+
+    torch.manual_seed(3)
+    keys, values = torch.randn(2, 100, 64), torch.randn(2, 100, 64)
+    bits = Bits.parse("4/3")
+    coded_keys, coded_values = simulated_layer(keys, values, bits, Simulation(coded="pca"))
+    assert torch.equal(coded_keys, transform_coded(keys, 4, "pca"))
+    assert torch.equal(coded_values, transform_coded(values, 3, "pca"))
+    # per head: its mean, step and a 64 x 64 basis in fp16 beside 4 + 3 bits a value
+    side = ((64 + 2) * 16 + 64 * 64 * 16) / (6000 * 64)
+    assert estimated_ratio(bits, Simulation(coded="pca"), 6000, 64) == pytest.approx(32 / (7 + 2 * side))
+    sixteen = simulated_layer(keys, values, Bits(16), Simulation(coded="channels"))  # 16 bits: as it is
+    assert torch.equal(sixteen[0], keys) and torch.equal(sixteen[1], values)
+    assert estimated_ratio(Bits(16), Simulation(coded="pca"), 6000, 64) == 1.0
+    assert "transform-coded (pca)" in Simulation(coded="pca").describe()

@@ -7,7 +7,10 @@ A tier's keys and values are rounded as its Bits say (snapkv.storage.quantize), 
   key_outliers      each head's `key_outliers` key channels of largest magnitude are put back as they were
                     (KVQuant, arXiv 2401.18079, keeps about 1% of its keys in 16 bits);
   keys_before_rope  the keys are rounded before RoPE (RoPE taken off, rounded per the tier, put back on), as
-                    KVQuant quantizes keys per channel before RoPE, where a channel's values are alike.
+                    KVQuant quantizes keys per channel before RoPE, where a channel's values are alike;
+  coded             instead of the tier's rounding, each head transform-coded (snapkv.measure.transform_coded:
+                    its principal components, a Hadamard rotation or its channels, one uniform step, entropy-coded),
+                    the tier's key and value bits read as what the codes may cost a value (KVTC, CacheGen).
 
 The result is kept in the 16-bit dtype, so a question reads these values as it would read a real tier's, and
 `snapkv eval fidelity` judges its answers as it judges one (benchmarks/storage.py simulate runs it). The file
@@ -20,6 +23,7 @@ import torch
 
 from snapkv.base.bits import Bits, Scheme
 from snapkv.engine.lean_decode import rotate_half
+from snapkv.measure.transform_coded import MAX_RATE, side_bits_per_value, transform_coded
 from snapkv.storage.quantize import dequantize, quantize, stored_schemes
 
 SCALE_BITS = 32  # a group's fp16 scale and minimum
@@ -33,12 +37,14 @@ class Simulation:
     recent: int = 0
     key_outliers: int = 0
     keys_before_rope: bool = False
+    coded: str = ""  # a transform of snapkv.measure.transform_coded, or "" for the tier's own rounding
 
     def describe(self) -> str:
         parts = [f"first {self.sinks} positions exact"] if self.sinks else []
         parts += [f"last {self.recent} positions exact"] if self.recent else []
         parts += [f"{self.key_outliers} outlier key channels exact"] if self.key_outliers else []
         parts += ["keys rounded before RoPE"] if self.keys_before_rope else []
+        parts += [f"transform-coded ({self.coded}), the bits what a value's code costs"] if self.coded else []
         return ", ".join(parts) or "the tier as it is"
 
 
@@ -80,7 +86,11 @@ def simulated_layer(keys: torch.Tensor, values: torch.Tensor, bits: Bits, simula
         if rope is None:
             raise ValueError("keys rounded before RoPE need the rotary embedding's cos and sin")
         exact_keys = without_rope(exact_keys, *rope)
-    rounded_keys, rounded_values = _rounded(exact_keys, key_scheme), _rounded(exact_values, value_scheme)
+    if simulation.coded:
+        rounded_keys = transform_coded(exact_keys, bits.keys, simulation.coded)
+        rounded_values = transform_coded(exact_values, bits.values, simulation.coded)
+    else:
+        rounded_keys, rounded_values = _rounded(exact_keys, key_scheme), _rounded(exact_values, value_scheme)
     if simulation.key_outliers:
         outliers = _outlier_channels(exact_keys, simulation.key_outliers).unsqueeze(1)  # (kv_heads, 1, head_dim)
         rounded_keys = torch.where(outliers, exact_keys, rounded_keys)
@@ -105,7 +115,12 @@ def estimated_ratio(bits: Bits, simulation: Simulation, held: int, head_dim: int
     key_scheme, value_scheme = stored_schemes(bits, head_dim)
     exact = min(held, simulation.sinks + simulation.recent) / held
     outliers = simulation.key_outliers / head_dim
-    key_bits = ((1 - outliers) * _bits_per_value(key_scheme) + outliers * 16
+    if simulation.coded:
+        side = side_bits_per_value(simulation.coded, held, head_dim)
+        key_value_bits = tuple(rate + (side if rate < MAX_RATE else 0) for rate in (bits.keys, bits.values))
+    else:
+        key_value_bits = (_bits_per_value(key_scheme), _bits_per_value(value_scheme))
+    key_bits = ((1 - outliers) * key_value_bits[0] + outliers * 16
                 + 8 * simulation.key_outliers / (held * head_dim))  # a byte naming each channel, per head
-    rounded = key_bits + _bits_per_value(value_scheme)
+    rounded = key_bits + key_value_bits[1]
     return 32.0 / (exact * 32.0 + (1 - exact) * rounded)

@@ -63,7 +63,7 @@ def _hadamard_block(head_dim: int) -> torch.Tensor:
     return block / size**0.5
 
 
-def _rotate(x: torch.Tensor) -> torch.Tensor:
+def hadamard_rotated(x: torch.Tensor) -> torch.Tensor:
     """(..., head_dim) float32 -> the same, each block of channels times the Hadamard block (its own inverse)."""
     block = _hadamard_block(x.shape[-1]).to(x.device)
     return (x.reshape(*x.shape[:-1], -1, block.shape[0]) @ block).reshape(x.shape)
@@ -206,7 +206,7 @@ def quantize(x: torch.Tensor, scheme: Scheme) -> Quantized:
         raise ValueError(f"quantize takes {', '.join(map(str, SUPPORTED_BITS))} bits, not {scheme.bits}")
     if scheme.group % values_per_chunk(scheme.bits):
         raise ValueError(f"a group of {scheme.group} does not pack into bytes at {scheme.bits} bits")
-    x = _rotate(x.float()) if scheme.rotated else x.float()
+    x = hadamard_rotated(x.float()) if scheme.rotated else x.float()
     grouped = _grouped(x, scheme.axis, scheme.group)
     low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
     levels = (1 << scheme.bits) - 1
@@ -291,7 +291,7 @@ def dequantize(quantized: "Quantized | Mixed | torch.Tensor", dtype: torch.dtype
     q = _unpack(quantized.packed, quantized.scheme.bits).float()
     x = q * quantized.scale.float().unsqueeze(-1) + quantized.minimum.float().unsqueeze(-1)
     x = _ungrouped(x, quantized.shape, quantized.scheme.axis)
-    return out.copy_(_rotate(x) if quantized.scheme.rotated else x)
+    return out.copy_(hadamard_rotated(x) if quantized.scheme.rotated else x)
 
 
 def restored_positions(stored: "Quantized | Mixed | torch.Tensor", positions: torch.Tensor,
