@@ -5,8 +5,8 @@ One script, one subcommand per study (each says what it measures with --help):
     sizes      file bytes per stored tier, and what choosing the tier costs
     sharp      stored bits side by side, the sharper share included
     tiers      which stored tier to save: needles, many questions and bytes per setting
-    simulate   a tier the file cannot hold yet (exact sinks and recent positions, exact outlier key channels,
-               keys rounded before RoPE), simulated in memory and judged by `snapkv eval fidelity`
+    simulate   tiers the file cannot hold yet (exact sinks and recent positions, exact outlier key channels,
+               keys rounded before RoPE, transform coding), simulated in memory and judged by `snapkv eval fidelity`
 
     .venv/bin/python benchmarks/storage.py SUBCOMMAND [OPTIONS]
 """
