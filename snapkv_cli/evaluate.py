@@ -263,10 +263,11 @@ def fidelity(
     Each tier is saved to a file and loaded back, and all of a document's questions are asked of that file.
     """
     from snapkv.base.atomic import write_atomically
+    from snapkv.base.bits import parse_tier
     from snapkv.compression.config import DEFAULT_SYSTEM, ENGINE_CHOICES
     from snapkv.compression.methods import METHODS
     from snapkv.measure.fidelity import (FULL, cut_method_parts, load_documents, needle_documents, parse_cut_sizes,
-                                         parse_tier, run_fidelity, settings_for)
+                                         run_fidelity, settings_for)
 
     from .consoles import working
     from .render import load_with_status, stderr_console, stdout_console

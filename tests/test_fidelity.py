@@ -148,7 +148,7 @@ def test_settings_and_comparisons_count_questions():
 
 
 def test_a_stored_share_is_a_tier_of_its_own_compared_with_the_whole_16_bit_file():
-    from snapkv.measure.fidelity import parse_tier
+    from snapkv.base.bits import parse_tier
 
     assert parse_tier("8") == (Bits(8), None) and parse_tier("8/4g32~45%") == (Bits.parse("8/4g32"), 0.45)
     for wrong in ("8~", "8~0%", "8~100%", "8~45", "8~x%"):

@@ -233,6 +233,23 @@ class Scheme:
         return (shape[0], other, groups, self.group * self.bits // 8), (shape[0], other, groups)
 
 
+def tier_name(bits: Bits, stored: float | None) -> str:
+    """A stored tier's name, as `snapkv eval fidelity` and its published figures write it: its bits, and the share
+    of the document it keeps where not all ("8~45%")."""
+    return str(bits) if stored is None else f"{bits}~{stored:.0%}"
+
+
+def parse_tier(text: str) -> tuple[Bits, float | None]:
+    """"8" -> (Bits(8), None); "8~45%" -> (Bits(8), 0.45): a stored tier's bits and the share of the document it
+    keeps (None: all of it); ValueError for anything else. The inverse of tier_name."""
+    bits, sign, share = text.strip().partition("~")
+    if not sign:
+        return Bits.parse(bits), None
+    if not re.fullmatch(r"\d+(\.\d+)?%", share) or not 0 < float(share[:-1]) < 100:
+        raise ValueError(f"{text.strip()!r}: after ~ comes the share of the document kept, above 0% and below 100%")
+    return Bits.parse(bits), float(share[:-1]) / 100
+
+
 def values_per_chunk(bits: int) -> int:
     """The fewest codes that fill whole bytes: 8 at 3 bits (3 bytes), 2 at 4 bits, 1 at 8."""
     return 8 // gcd(bits, 8)

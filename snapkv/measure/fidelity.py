@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable
 
-from snapkv.base.bits import Bits
+from snapkv.base.bits import Bits, parse_tier, tier_name
 from snapkv.base.sizes import parse_size
 from snapkv.compression.config import DEFAULTS, ENGINE_CHOICES, Cut, SnapKVConfig
 from snapkv.engine.models import LoadedModel
@@ -153,7 +153,7 @@ class Setting:
     @property
     def tier(self) -> str:
         """The stored tier's name: its bits, and the share of the document it keeps where not all ("8~45%")."""
-        return str(self.bits) if self.stored is None else f"{self.bits}~{self.stored:.0%}"
+        return tier_name(self.bits, self.stored)
 
     @property
     def whole_16_bit(self) -> "Setting":
@@ -189,17 +189,6 @@ class Setting:
 
 
 FULL = Setting(Bits(16), None)
-
-
-def parse_tier(text: str) -> tuple[Bits, float | None]:
-    """"8" -> (Bits(8), None); "8~45%" -> (Bits(8), 0.45): a stored tier's bits and the share of the document it
-    keeps (None: all of it); ValueError for anything else."""
-    bits, sign, share = text.strip().partition("~")
-    if not sign:
-        return Bits.parse(bits), None
-    if not re.fullmatch(r"\d+(\.\d+)?%", share) or not 0 < float(share[:-1]) < 100:
-        raise ValueError(f"{text.strip()!r}: after ~ comes the share of the document kept, above 0% and below 100%")
-    return Bits.parse(bits), float(share[:-1]) / 100
 
 
 def parse_cut_sizes(text: str) -> list[tuple[int | None, float | None]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 
-from snapkv.base.bits import Bits
+from snapkv.base.bits import Bits, parse_tier, tier_name
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ class Measured:
             ", whole words" if self.whole_words else "") + (
             ", numbers with their neighbours" if self.numbers_with_neighbours else "") + (
             ", budgets per layer" if self.pyramid else "")
-        bits, _, share = self.bits.partition("~")
-        stored = f"{bits} bits, {share} of the document stored," if share else f"{bits} bits"
+        bits, share = parse_tier(self.bits)
+        stored = f"{bits} bits" + ("" if share is None else f", {share:.0%} of the document stored,")
         what = {"storage": f"{stored} against 16 bits, both cut to {cut}",
                 "compression": f"the cut to {cut} against the full cache",
                 "floor": "the noise floor (a second engine)"}[self.kind]
@@ -79,15 +79,15 @@ def stored_tier_name(bits: "Bits | int | str", stored_cut: dict | None) -> str |
     share of the document it keeps where it keeps one by the pseudo-question probes ("8~50%"); None for a tier the
     benchmark does not make (a budget per head, another method) or bits that do not parse."""
     try:
-        name = str(Bits.parse(bits))
+        bits = Bits.parse(bits)
     except ValueError:
         return None
     if not stored_cut:
-        return name
+        return tier_name(bits, None)
     keep = stored_cut.get("keep")
     if keep is None or stored_cut.get("method") != "pseudo-question":
         return None
-    return f"{name}~{keep:.0%}"
+    return tier_name(bits, keep)
 
 
 def measured_for(model: str, bits: "Bits | int | str", cut: dict | None,
