@@ -160,6 +160,9 @@ class Router:
             messages = handle.relay.remote(request.method, request.url.path, list(request.headers.raw), body)
             try:
                 return await messages.__anext__(), messages
+            except asyncio.CancelledError:  # the client went away while the replica answered
+                messages.cancel()
+                raise
             except BackPressureError:
                 raise RequestError("every replica is busy and the requests waiting for them are at the limit "
                                    "(serve --queue); try again shortly", status=429, code="queue_full",
@@ -182,15 +185,25 @@ class Router:
             return error_response(error)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start.get("headers", [])
                    if k.lower() != b"content-length"}
-        first = await anext(messages, None)
+        try:
+            first = await anext(messages, None)
+        except asyncio.CancelledError:
+            messages.cancel()
+            raise
         if first is None or not first.get("more_body"):  # the whole body in one message: a plain response
             return Response(first.get("body", b"") if first else b"", status_code=start["status"], headers=headers)
 
         async def pieces():
-            yield first.get("body", b"")
-            async for message in messages:
-                if message.get("body"):
-                    yield message["body"]
+            ended = False
+            try:
+                yield first.get("body", b"")
+                async for message in messages:
+                    if message.get("body"):
+                        yield message["body"]
+                ended = True
+            finally:
+                if not ended:  # the client went away: Starlette then ends this request without an error, so Ray's
+                    messages.cancel()  # own cancel may never reach the replica, which would answer on unheard
 
         return StreamingResponse(pieces(), status_code=start["status"], headers=headers)
 
