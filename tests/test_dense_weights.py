@@ -246,12 +246,14 @@ def test_the_embedded_model_in_bf16_decodes_natively_and_keeps_its_facts(embedde
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_output_head_in_fp32_is_the_fp32_twins_head_within_rounding(dtype):
-    """native_decode.output_logits: the final norm and a plain bf16 or fp32 head by dense_rows.c, the last row only,
-    against the fp32 twin's own norm and head."""
+    """native_decode.output_logits: the final norm and a plain bf16 or fp32 head in one C call (final_logits, the
+    head's product by dense_rows.c), the last row only, against the fp32 twin's own norm and head."""
     model, twin = twins(dtype)
     hidden = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(5))
+    head = native_decode.output_head(model)
+    assert head is not None and head.matrix.bits == {torch.bfloat16: 16, torch.float32: 32}[dtype]
     with torch.inference_mode():
-        found = native_decode.output_logits(model, hidden)
+        found = native_decode.output_logits(model, hidden, head)
         expected = twin.lm_head(lean_decode.rms_norm(twin.model.norm, hidden))[0, -1]
     assert found.shape == expected.shape == (model.config.vocab_size,)
     assert torch.allclose(found, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))

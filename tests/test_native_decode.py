@@ -99,6 +99,21 @@ def test_answers_use_the_native_step_and_are_the_lean_steps_token_for_token(tied
         steps.clear()
 
 
+def test_the_logits_in_one_c_call_are_the_modules_within_rounding_and_a_head_it_cannot_read_stays_with_them():
+    model = on_blocks()
+    hidden = torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(4))  # (1, rows, hidden): the last row
+    expected = model.lm_head(lean_decode.rms_norm(model.model.norm, hidden[:, -1:]))[0, -1].detach()
+    head = native_decode.output_head(model)
+    assert head is not None and head.matrix.bits == 8
+    found = native_decode.output_logits(model, hidden, head)
+    assert found.shape == expected.shape == (model.config.vocab_size,)
+    assert torch.allclose(found, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
+    model.lm_head = torch.nn.Linear(64, model.config.vocab_size, bias=True)  # a bias: final_logits has none
+    assert native_decode.output_head(model) is None
+    expected = model.lm_head(lean_decode.rms_norm(model.model.norm, hidden[:, -1:]))[0, -1].detach()
+    assert torch.equal(native_decode.output_logits(model, hidden, None), expected)
+
+
 def test_a_full_buffer_hands_over_to_the_lean_step_with_nothing_lost():
     """When a layer has no free slot the C call writes nothing and says so; after sync the lean step grows the
     buffers and goes on: the same logits as the lean step all along."""

@@ -5,10 +5,11 @@ bf16/fp32 rows fused at load (snapkv.modeling.dense_weights: a user's checkpoint
 snapkv.engine.lean_decode already writes one token's forward as the few PyTorch calls it needs, but on a 2-core CPU
 those ~35 calls per layer, and sdpa's attention for one query row (a kernel made for many rows), still cost
 more than reading the weights. Here the layers run without Python between them: norms, RoPE, the cache write,
-the attention and the SiLU in C, the products by the block or plain-row kernels, all in fp32. The same formulas,
-summed in another order: logits agree with the lean step within rounding (tests/test_native_decode.py,
-tests/test_dense_weights.py against an fp32 twin of a bf16 model), greedy answers token for token in the tests and on
-the needle grid.
+the attention and the SiLU in C, the products by the block or plain-row kernels, all in fp32; then the final norm and
+the head in one more call (final_logits: PyTorch's norm and the head's module around the same kernel took 0.3-0.5
+ms of a SnapKV token's 7-8 on a 2-core AVX-512 CPU). The same formulas, summed in another order: logits agree with the
+lean step within rounding (tests/test_native_decode.py, tests/test_dense_weights.py against an fp32 twin of a bf16
+model), greedy answers token for token in the tests and on the needle grid.
 
 QuestionLayers does the same for a question's rows around each layer's attention (the attention, the cache write and
 the cut stay snapkv.engine.native_question's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
@@ -29,7 +30,7 @@ from snapkv import native
 from snapkv.engine import lean_decode
 from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
-from snapkv.modeling.dense_weights import DENSE_DTYPES, dense_matmul, fused_dense, plain_weight
+from snapkv.modeling.dense_weights import DENSE_DTYPES, fused_dense, plain_weight
 from snapkv.modeling.presized import PresizedLayer
 from snapkv.native.threads import threads_now
 
@@ -85,6 +86,7 @@ class NativeDecoder:
         self._cos, self._sin = cos, sin  # (positions, head_dim) from first_position on
         self._first_position = first_position
         self._hidden = torch.empty(found.shape.hidden)
+        self._head = output_head(model)
         # the tensors the C side reads and writes, kept alive as long as the pointers are
         self._held, self._kept = held, found.kept
 
@@ -109,7 +111,7 @@ class NativeDecoder:
             return None
         if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
             raise MemoryError("the C decode step ran out of memory (or refused the model's weight blocks)")
-        return output_logits(self._model, self._hidden.view(1, 1, -1))
+        return output_logits(self._model, self._hidden.view(1, 1, -1), self._head)
 
     def written(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values (1, kv_heads, tokens, head_dim) as this answer holds them: the cache's rows
@@ -129,17 +131,50 @@ class NativeDecoder:
             self._cache.hold(index, keys.to(dtype), values.to(dtype))
 
 
-def output_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+@dataclass
+class OutputHead:
+    """The final norm and lm_head as kernels/decode_step.c's final_logits reads them: one C call from the last
+    layer's output to the logits."""
+
+    norm: torch.Tensor  # (hidden,) fp32: the final norm's weight (a copy if bf16)
+    eps: float
+    matrix: native.BlockMatrix  # lm_head: 4/8-bit blocks, or plain bf16/fp32 rows (vocab, hidden)
+    weights: object  # what the matrix's pointers read: kept alive with it
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden (hidden,) fp32 contiguous -> the logits (vocab,); None where the kernel refused."""
+        logits = torch.empty(self.matrix.outputs)
+        status = native.kernels().final_logits(
+            native.pointer(hidden, torch.float32), hidden.shape[0], native.pointer(self.norm, torch.float32),
+            self.eps, ctypes.byref(self.matrix), native.pointer(logits, torch.float32), threads_now())
+        return logits if status == 0 else None
+
+
+def output_head(model) -> OutputHead | None:
+    """The model's final norm and lm_head for final_logits, or None where the kernels cannot read them (no kernels,
+    an lm_head neither 4/8-bit blocks nor plain bf16/fp32 rows, a norm in another dtype)."""
+    norm, head = model.model.norm, model.lm_head
+    if (native.unavailable_reason() is not None or norm.weight.dtype not in DENSE_DTYPES
+            or not hasattr(norm, "variance_epsilon")):
+        return None
+    blocks, weight = _plain_blocks(head), plain_weight(head)
+    matrix = _c_matrix(blocks, weight)
+    if matrix is None:
+        return None
+    read = blocks if blocks is not None else weight
+    return OutputHead(norm.weight.detach().float().contiguous(), norm.variance_epsilon, matrix, read)
+
+
+def output_logits(model, hidden: torch.Tensor, head: OutputHead | None) -> torch.Tensor:
     """hidden (1, rows, hidden) fp32, the last layer's output -> the last row's logits (vocab,): the final norm, then
-    lm_head. A plain bf16 or fp32 lm_head (a bf16 model's; an fp32 one tied to the embeddings) is multiplied in fp32 by
+    lm_head, in one C call where there is a `head` (output_head(model)): a bf16 or fp32 lm_head by the kernels of
     dense_rows.c (PyTorch's fp32 product for one row of the embedded model's 49152 x 576 head took 11.3 ms, this 4.4);
-    blocks and anything else by the module itself."""
-    normed = lean_decode.rms_norm(model.model.norm, hidden[:, -1:])
-    weight = plain_weight(model.lm_head)
-    if weight is not None and native.unavailable_reason() is None:
-        logits = dense_matmul(normed.float().reshape(1, -1).contiguous(), weight)
+    else by the modules themselves."""
+    if head is not None:
+        logits = head.logits(hidden[0, -1].float().contiguous())
         if logits is not None:
-            return logits[0]
+            return logits
+    normed = lean_decode.rms_norm(model.model.norm, hidden[:, -1:])
     return model.lm_head(normed.to(model.lm_head.weight.dtype))[0, -1]
 
 

@@ -12,7 +12,7 @@ import torch
 
 from snapkv.compression.compress import CompressionPlan, capturing, cut_layer
 from snapkv.engine.coded_attention import attend_coded
-from snapkv.engine.native_decode import QuestionLayers, output_logits
+from snapkv.engine.native_decode import QuestionLayers, output_head, output_logits
 from snapkv.engine.torch_question import LayerParts, attend_over_cache, question_mask
 from snapkv.engine.working_cache import WorkingCache
 
@@ -40,4 +40,4 @@ def question_pass(model, question_ids: torch.Tensor, start: int, cache: WorkingC
             if cut:  # the torch engine's cut: a layer still in its codes restores only the positions kept
                 cut_layer(plan, attention, normed, cache, (cos, sin))
             hidden = parts.after(index, attended, hidden)
-    return output_logits(model, hidden)
+    return output_logits(model, hidden, output_head(model))

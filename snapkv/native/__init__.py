@@ -104,6 +104,7 @@ BINDINGS: dict[str, tuple[object, tuple]] = {
                             _pointer, _pointer, _pointer, _size, _pointer, _pointer, _int)),
     "rope_rows": (_int, (_pointer, _size, _size, _size, _pointer, _pointer, _pointer)),
     "decode_token": (_int, (_pointer, _pointer, _size, _pointer, _pointer, _pointer, _int)),
+    "final_logits": (_int, (_pointer, _size, _pointer, _float, _pointer, _pointer, _int)),
     "question_before_attention": (_int, (_pointer, _pointer, _size, _pointer, _pointer, _pointer, _pointer, _pointer,
                                          _pointer, _pointer, _int)),
     "question_after_attention": (_int, (_pointer, _pointer, _size, _pointer, _pointer, _int)),
@@ -124,7 +125,7 @@ BINDINGS: dict[str, tuple[object, tuple]] = {
 # the vector kernels with a scalar reference (reference.c): `<name>_generic`, the same arguments
 REFERENCED = ("matmul_4bit", "matmul_8bit", "linear_rows", "linear_rows_blocks", "linear_rows_bf16", "matmul_dense",
               "attend_rows", "attend_coded", "dequantize_rows", "dequantize_positions", "decode_token",
-              "question_before_attention", "question_after_attention")
+              "final_logits", "question_before_attention", "question_after_attention")
 BINDINGS.update({f"{name}_generic": BINDINGS[name] for name in REFERENCED})
 LIMITS = ("snapkv_max_rows", "snapkv_max_attention_head_dim", "snapkv_max_stored_head_dim", "snapkv_max_parts",
           "snapkv_max_decode_head_dim")

@@ -394,6 +394,19 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
     return status;
 }
 
+/* The next token's logits from the last layer's output: logits (head->outputs) = RMSNorm(hidden) @ head^T, hidden
+ * (n) and the final norm's weight (n) fp32. Returns 0, or -1 (a head of another form or inputs, no memory). */
+int final_logits(const float *hidden, int64_t n, const float *norm, float eps, const block_matrix *head,
+                 float *logits, int threads) {
+    if (!fits(head, n, head->outputs)) return -1;
+    float *normed = malloc(sizeof(float) * (size_t)n);
+    if (!normed) return -1;
+    rms_norm(hidden, norm, n, eps, normed);
+    const int status = products(head, normed, 1, logits, threads);
+    free(normed);
+    return status;
+}
+
 /* A question's rows through the part of a layer before its attention, as decode_token computes one token's:
  * hidden (rows, shape->hidden) in; normed = RMSNorm(hidden) (rows, hidden) out; q, k, v = normed @ [Wq; Wk; Wv]^T
  * with RoPE on q and k at each row's position (cos, sin: (rows, head_dim)), out as query (heads, rows, head_dim),

@@ -76,6 +76,8 @@ int rope_rows(const float *x, int64_t rows, int64_t heads, int64_t head_dim, con
               float *out);
 int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
                  const float *cos, const float *sin, int threads);
+int final_logits(const float *hidden, int64_t n, const float *norm, float eps, const block_matrix *head,
+                 float *logits, int threads);
 int question_before_attention(const decoder_shape *shape, const decoder_layer *layer, int64_t rows, const float *hidden,
                               const float *cos, const float *sin, float *normed, float *query, float *key,
                               float *value, int threads);
@@ -136,6 +138,8 @@ int dequantize_positions_generic(const void *const *part_pointers, const int64_t
                                  float *out, int threads);
 int decode_token_generic(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
                          const float *cos, const float *sin, int threads);
+int final_logits_generic(const float *hidden, int64_t n, const float *norm, float eps, const block_matrix *head,
+                         float *logits, int threads);
 int question_before_attention_generic(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
                                       const float *hidden, const float *cos, const float *sin, float *normed,
                                       float *query, float *key, float *value, int threads);

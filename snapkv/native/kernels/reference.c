@@ -329,6 +329,18 @@ static const float *cache_row(const decoder_layer *layer, int64_t kv, int64_t t,
     return widened;
 }
 
+int final_logits_generic(const float *hidden, int64_t n, const float *norm, float eps, const block_matrix *head,
+                         float *logits, int threads) {
+    (void)threads;
+    if (!matrix_fits(head, n, head->outputs)) return -1;
+    float *normed = malloc(sizeof(float) * (size_t)n);
+    if (!normed) return -1;
+    rms_norm(hidden, norm, n, eps, normed);
+    matrix_product(head, normed, 1, logits);
+    free(normed);
+    return 0;
+}
+
 int decode_token_generic(const decoder_shape *shape, decoder_layer *layers, int64_t layer_count, float *hidden,
                          const float *cos, const float *sin, int threads) {
     (void)threads;
