@@ -89,29 +89,43 @@ class NativeDecoder:
         self._head = output_head(model)
         # the tensors the C side reads and writes, kept alive as long as the pointers are
         self._held, self._kept = held, found.kept
+        # Each token's Python is only address arithmetic and the C calls: run right after a call that streamed the
+        # weights through the caches, every PyTorch op costs several times what it costs alone (0.28 ms a token
+        # here before, against 7 for the C calls)
+        self._decode_token = native.kernels().decode_token
+        self._shape_address = ctypes.addressof(self._shape)
+        self._hidden_address = native.pointer(self._hidden, torch.float32, (found.shape.hidden,))
+        self._angle_bytes = head_dim * 4  # a row of cos or sin
+        self._cos_address, self._sin_address = (native.pointer(angles, torch.float32, (None, head_dim))
+                                                for angles in (cos, sin))
+        embeddings = model.model.embed_tokens.weight
+        fp32_rows = embeddings.dtype == torch.float32 and embeddings.is_contiguous() and embeddings.device.type == "cpu"
+        self._embedding_address = embeddings.data_ptr() if fp32_rows else None  # else copied by PyTorch (bf16 widened)
+        self._vocab, self._row_bytes = embeddings.shape[0], found.shape.hidden * 4
 
-    @torch.inference_mode()
     def step(self, token: int, position: int) -> torch.Tensor | None:
         """Append `token` at `position`; the next logits (vocab,), or None when a layer's room is full (nothing
         written: call sync, then the lean step grows the buffers)."""
-        inner = self._model.model
         index = position - self._first_position
         if 0 <= index < self._cos.shape[0]:
-            cos, sin = self._cos[index], self._sin[index]
+            cos, sin = (address + index * self._angle_bytes for address in (self._cos_address, self._sin_address))
         else:
-            cos, sin = _rotary(self._model, position, 1)
-            cos, sin = cos[0], sin[0]
-        self._hidden.copy_(inner.embed_tokens.weight[token])
-        head_dim = (self._shape.head_dim,)
-        status = native.kernels().decode_token(
-            ctypes.byref(self._shape), self._layers, len(self._layers), native.pointer(self._hidden, torch.float32),
-            native.pointer(cos, torch.float32, head_dim), native.pointer(sin, torch.float32, head_dim),
-            threads_now())
+            with torch.inference_mode():
+                angles = _rotary(self._model, position, 1)  # (1, head_dim) each, alive until the call returns
+            cos, sin = (native.pointer(part, torch.float32) for part in angles)
+        if self._embedding_address is not None and 0 <= token < self._vocab:
+            ctypes.memmove(self._hidden_address, self._embedding_address + token * self._row_bytes, self._row_bytes)
+        else:
+            with torch.inference_mode():
+                self._hidden.copy_(self._model.model.embed_tokens.weight[token])
+        status = self._decode_token(self._shape_address, self._layers, len(self._layers), self._hidden_address, cos,
+                                    sin, threads_now())
         if status == ROOM_EXHAUSTED:
             return None
         if status != 0:  # out of memory (matrices of another shape too: never expected, for_cache read them)
             raise MemoryError("the C decode step ran out of memory (or refused the model's weight blocks)")
-        return output_logits(self._model, self._hidden.view(1, 1, -1), self._head)
+        logits = self._head.logits_at(self._hidden_address, self._shape.hidden) if self._head is not None else None
+        return logits if logits is not None else output_logits(self._model, self._hidden.view(1, 1, -1), None)
 
     def written(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `index`'s keys and values (1, kv_heads, tokens, head_dim) as this answer holds them: the cache's rows
@@ -141,12 +155,19 @@ class OutputHead:
     matrix: native.BlockMatrix  # lm_head: 4/8-bit blocks, or plain bf16/fp32 rows (vocab, hidden)
     weights: object  # what the matrix's pointers read: kept alive with it
 
+    def __post_init__(self) -> None:
+        self._norm_address = native.pointer(self.norm, torch.float32)
+        self._final_logits = native.kernels().final_logits
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden (hidden,) fp32 contiguous -> the logits (vocab,); None where the kernel refused."""
-        logits = torch.empty(self.matrix.outputs)
-        status = native.kernels().final_logits(
-            native.pointer(hidden, torch.float32), hidden.shape[0], native.pointer(self.norm, torch.float32),
-            self.eps, ctypes.byref(self.matrix), native.pointer(logits, torch.float32), threads_now())
+        return self.logits_at(native.pointer(hidden, torch.float32, (self.norm.shape[0],)), hidden.shape[0])
+
+    def logits_at(self, hidden: int, size: int) -> torch.Tensor | None:
+        """logits() of the `size` fp32 values at address `hidden`."""
+        logits = torch.empty(self.matrix.outputs)  # (vocab,)
+        status = self._final_logits(hidden, size, self._norm_address, self.eps, ctypes.byref(self.matrix),
+                                    logits.data_ptr(), threads_now())
         return logits if status == 0 else None
 
 
