@@ -100,7 +100,8 @@ class NativeDecoder:
                                                 for angles in (cos, sin))
         embeddings = model.model.embed_tokens.weight
         fp32_rows = embeddings.dtype == torch.float32 and embeddings.is_contiguous() and embeddings.device.type == "cpu"
-        self._embedding_address = embeddings.data_ptr() if fp32_rows else None  # else copied by PyTorch (bf16 widened)
+        self._embedding_address = (native.pointer(embeddings, torch.float32, (None, found.shape.hidden)) if fp32_rows
+                                   else None)  # else copied by PyTorch (bf16 widened)
         self._vocab, self._row_bytes = embeddings.shape[0], found.shape.hidden * 4
 
     def step(self, token: int, position: int) -> torch.Tensor | None:
@@ -167,7 +168,7 @@ class OutputHead:
         """logits() of the `size` fp32 values at address `hidden`."""
         logits = torch.empty(self.matrix.outputs)  # (vocab,)
         status = self._final_logits(hidden, size, self._norm_address, self.eps, ctypes.byref(self.matrix),
-                                    logits.data_ptr(), threads_now())
+                                    native.pointer(logits, torch.float32), threads_now())
         return logits if status == 0 else None
 
 
