@@ -89,9 +89,9 @@ class NativeDecoder:
         self._head = output_head(model)
         # the tensors the C side reads and writes, kept alive as long as the pointers are
         self._held, self._kept = held, found.kept
-        # Each token's Python is only address arithmetic and the C calls: run right after a call that streamed the
-        # weights through the caches, every PyTorch op costs several times what it costs alone (0.28 ms a token
-        # here before, against 7 for the C calls)
+        # Each token's Python is only address arithmetic, the C calls and the logits' allocation: run right after a
+        # call that streamed the weights through the caches, every PyTorch op costs several times what it costs alone
+        # (0.28 ms a token here before, against 7 for the C calls)
         self._decode_token = native.kernels().decode_token
         self._shape_address = ctypes.addressof(self._shape)
         self._hidden_address = native.pointer(self._hidden, torch.float32, (found.shape.hidden,))
