@@ -47,9 +47,9 @@ __attribute__((always_inline)) static inline void prefetch_ahead(const void *cod
     if (minimum) prefetch_bytes(minimum + (out + AHEAD) * blocks, blocks * (int64_t)sizeof(float));
 }
 
-static inline f32x8 bytes_to_floats(u8x16 eight_bytes_low, int is_signed) {
-    i32x8 widened = is_signed ? i32x8_from_i8(eight_bytes_low) : i32x8_from_u8(eight_bytes_low);
-    return i32x8_to_floats(widened);
+/* 8 signed bytes (the low 8 of 16) as floats. */
+static inline f32x8 bytes_to_floats(u8x16 eight_bytes_low) {
+    return i32x8_to_floats(i32x8_from_i8(eight_bytes_low));
 }
 
 /* The block's 32 codes (as floats, 8 per vector) times the 32 activations xs, summed per lane. */
@@ -163,13 +163,13 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
             float from_minimum = 0.0f;
             const uint8_t *row_codes = codes + out * blocks * (BLOCK / 2);
             for (int64_t b = 0; b < blocks; b++) {
-                u8x16 packed = u8x16_load(row_codes + b * (BLOCK / 2));
-                u8x16 low = u8x16_low_nibbles(packed), high = u8x16_high_nibbles(packed);
+                i32x8 q[4];
+                block_4bit_codes(row_codes + b * (BLOCK / 2), q);
                 const float *xs = x + b * BLOCK;
-                f32x8 dot = f32x8_mul(bytes_to_floats(low, 0), f32x8_load(xs));
-                f32x8 dot2 = f32x8_mul(bytes_to_floats(u8x16_high_half(low), 0), f32x8_load(xs + 8));
-                dot = f32x8_fma(bytes_to_floats(high, 0), f32x8_load(xs + 16), dot);
-                dot2 = f32x8_fma(bytes_to_floats(u8x16_high_half(high), 0), f32x8_load(xs + 24), dot2);
+                f32x8 dot = f32x8_mul(i32x8_to_floats(q[0]), f32x8_load(xs));
+                f32x8 dot2 = f32x8_mul(i32x8_to_floats(q[1]), f32x8_load(xs + 8));
+                dot = f32x8_fma(i32x8_to_floats(q[2]), f32x8_load(xs + 16), dot);
+                dot2 = f32x8_fma(i32x8_to_floats(q[3]), f32x8_load(xs + 24), dot2);
                 accumulated = f32x8_fma(f32x8_add(dot, dot2), f32x8_splat(scale[out * blocks + b]),
                                               accumulated);
                 from_minimum += minimum[out * blocks + b] * block_sums[b];
@@ -185,10 +185,10 @@ int matmul_4bit(const float *x, int64_t rows, int64_t k, const uint8_t *codes, c
         float from_minimum[MAX_ROWS];
         for (int64_t r = 0; r < rows; r++) { accumulated[r] = f32x8_zero(); from_minimum[r] = 0.0f; }
         for (int64_t b = 0; b < blocks; b++) {
-            u8x16 packed = u8x16_load(codes + (out * blocks + b) * (BLOCK / 2));
-            u8x16 low = u8x16_low_nibbles(packed), high = u8x16_high_nibbles(packed);  /* elements 0..15, 16..31 */
-            f32x8 q0 = bytes_to_floats(low, 0), q1 = bytes_to_floats(u8x16_high_half(low), 0);
-            f32x8 q2 = bytes_to_floats(high, 0), q3 = bytes_to_floats(u8x16_high_half(high), 0);
+            i32x8 q[4];
+            block_4bit_codes(codes + (out * blocks + b) * (BLOCK / 2), q);
+            f32x8 q0 = i32x8_to_floats(q[0]), q1 = i32x8_to_floats(q[1]);
+            f32x8 q2 = i32x8_to_floats(q[2]), q3 = i32x8_to_floats(q[3]);
             f32x8 block_scale = f32x8_splat(scale[out * blocks + b]);
             float block_minimum = minimum[out * blocks + b];
             for (int64_t r = 0; r < rows; r++) {
@@ -218,10 +218,10 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
             f32x8 accumulated = f32x8_zero();
             for (int64_t b = 0; b < blocks; b++) {
                 const int8_t *block = codes + (out * blocks + b) * BLOCK;
-                const f32x8 dot = block_products(bytes_to_floats(u8x16_load8(block), 1),
-                                                 bytes_to_floats(u8x16_load8(block + 8), 1),
-                                                 bytes_to_floats(u8x16_load8(block + 16), 1),
-                                                 bytes_to_floats(u8x16_load8(block + 24), 1), x + b * BLOCK);
+                const f32x8 dot = block_products(bytes_to_floats(u8x16_load8(block)),
+                                                 bytes_to_floats(u8x16_load8(block + 8)),
+                                                 bytes_to_floats(u8x16_load8(block + 16)),
+                                                 bytes_to_floats(u8x16_load8(block + 24)), x + b * BLOCK);
                 accumulated = f32x8_fma(dot, f32x8_splat(scale[out * blocks + b]), accumulated);
             }
             y[out] = f32x8_sum(accumulated);
@@ -234,10 +234,10 @@ int matmul_8bit(const float *x, int64_t rows, int64_t k, const int8_t *codes, co
         for (int64_t r = 0; r < rows; r++) accumulated[r] = f32x8_zero();
         for (int64_t b = 0; b < blocks; b++) {
             const int8_t *block = codes + (out * blocks + b) * BLOCK;
-            f32x8 q0 = bytes_to_floats(u8x16_load8(block), 1);
-            f32x8 q1 = bytes_to_floats(u8x16_load8(block + 8), 1);
-            f32x8 q2 = bytes_to_floats(u8x16_load8(block + 16), 1);
-            f32x8 q3 = bytes_to_floats(u8x16_load8(block + 24), 1);
+            f32x8 q0 = bytes_to_floats(u8x16_load8(block));
+            f32x8 q1 = bytes_to_floats(u8x16_load8(block + 8));
+            f32x8 q2 = bytes_to_floats(u8x16_load8(block + 16));
+            f32x8 q3 = bytes_to_floats(u8x16_load8(block + 24));
             f32x8 block_scale = f32x8_splat(scale[out * blocks + b]);
             for (int64_t r = 0; r < rows; r++) {
                 f32x8 dot = block_products(q0, q1, q2, q3, x + r * k + b * BLOCK);

@@ -175,13 +175,8 @@ static void weights_from_blocks(int bits, const uint8_t *codes, const float *sca
         for (int64_t b = 0; b < blocks; b++) {
             const f32x8 block_scale = f32x8_splat(scale[out * blocks + b]);
             i32x8 q[4];
-            if (bits == 4) {  /* element i in the low nibble of byte i, element i + 16 in its high nibble */
-                const u8x16 bytes = u8x16_load(codes + out * code_bytes + b * 16);
-                const u8x16 low = u8x16_low_nibbles(bytes), high = u8x16_high_nibbles(bytes);
-                q[0] = i32x8_from_u8(low);
-                q[1] = i32x8_from_u8(u8x16_high_half(low));
-                q[2] = i32x8_from_u8(high);
-                q[3] = i32x8_from_u8(u8x16_high_half(high));
+            if (bits == 4) {
+                block_4bit_codes(codes + out * code_bytes + b * 16, q);
             } else {
                 const int8_t *signed_codes = (const int8_t *)codes + out * code_bytes + b * 32;
                 for (int v = 0; v < 4; v++)

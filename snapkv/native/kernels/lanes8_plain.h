@@ -185,6 +185,7 @@ LANES8 i32x8 i32x8_of(int e0, int e1, int e2, int e3, int e4, int e5, int e6, in
 LANES8 i32x8 i32x8_add(i32x8 a, i32x8 b) { return (i32x8)((plain_words8)a + (plain_words8)b); }
 LANES8 i32x8 i32x8_and(i32x8 a, i32x8 b) { return a & b; }
 LANES8 i32x8 i32x8_shift_left(i32x8 a, int count) { return (i32x8)((plain_words8)a << count); }
+LANES8 i32x8 i32x8_shift_right(i32x8 a, int count) { return (i32x8)((plain_words8)a >> count); }  /* logical */
 LANES8 i32x8 i32x8_shift_right_each(i32x8 a, i32x8 counts) {
     i32x8 v;
     EACH_LANE(8) v[i] = (uint32_t)counts[i] > 31 ? 0 : (int32_t)((uint32_t)a[i] >> counts[i]);

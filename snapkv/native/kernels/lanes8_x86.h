@@ -93,6 +93,7 @@ LANES8 i32x8 i32x8_of(int e0, int e1, int e2, int e3, int e4, int e5, int e6, in
 LANES8 i32x8 i32x8_add(i32x8 a, i32x8 b) { return _mm256_add_epi32(a, b); }
 LANES8 i32x8 i32x8_and(i32x8 a, i32x8 b) { return _mm256_and_si256(a, b); }
 LANES8 i32x8 i32x8_shift_left(i32x8 a, int count) { return _mm256_slli_epi32(a, count); }  /* count 0..31 */
+LANES8 i32x8 i32x8_shift_right(i32x8 a, int count) { return _mm256_srli_epi32(a, count); }  /* logical, 0..31 */
 /* Each lane shifted right (logical) by its own count. */
 LANES8 i32x8 i32x8_shift_right_each(i32x8 a, i32x8 counts) { return _mm256_srlv_epi32(a, counts); }
 LANES8 f32x8 i32x8_to_floats(i32x8 a) { return _mm256_cvtepi32_ps(a); }
