@@ -6,6 +6,10 @@ imported when first used, so that importing snapkv stays light (the commands tha
 
 import importlib
 
+from snapkv.base.spinning import bound_the_spinning
+
+bound_the_spinning()  # before torch loads OpenMP: idle threads sleep sooner, so processes share cores (its docstring)
+
 __version__ = "0.1.0"
 
 _ENTRY_POINTS = {  # name -> the module that defines it

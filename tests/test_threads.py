@@ -133,3 +133,26 @@ def test_the_kernels_give_the_same_bits_whatever_their_thread_count(monkeypatch)
     (one, kept_one), (two, kept_two) = runs
     assert all(torch.equal(a, b) for a, b in zip(one, two))
     assert kept_one.keys() == kept_two.keys() and all(torch.equal(kept_one[i], kept_two[i]) for i in kept_one)
+
+
+def test_idle_openmp_threads_spin_less_unless_the_user_said_otherwise():
+    from snapkv.base.spinning import SETTING, SPINS, bound_the_spinning
+
+    environ: dict[str, str] = {}
+    assert bound_the_spinning(environ, torch_loaded=False) and environ == {SETTING: SPINS}
+    for users in ({SETTING: "0"}, {"OMP_WAIT_POLICY": "active"}):
+        environ = dict(users)
+        assert not bound_the_spinning(environ, torch_loaded=False) and environ == users
+    environ = {}
+    assert not bound_the_spinning(environ, torch_loaded=True) and environ == {}  # libgomp has read its settings
+
+
+def test_importing_snapkv_sets_the_spin_count_before_torch_loads_openmp():
+    """In a fresh interpreter, as the CLI starts: snapkv first, then torch (which loads libgomp, reading the setting)."""
+    code = "import os, sys, snapkv; print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))"
+    environ = {name: value for name, value in os.environ.items() if name not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=120)
+    assert fresh.stdout.split() == ["False", "30000"], fresh.stderr
+    users = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**environ, "GOMP_SPINCOUNT": "123"})
+    assert users.stdout.split() == ["False", "123"], users.stderr

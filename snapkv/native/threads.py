@@ -20,6 +20,8 @@ The count stays fixed at torch's own in three cases:
 - the machine has no /proc/stat (macOS, Windows);
 - a CPU quota (cgroup cpu.max) is below the allowed cores: /proc/stat then counts the host's other tenants;
 - SNAPKV_THREADS=N fixes it to N.
+
+How long an idle thread spins before it sleeps is set apart, before torch loads OpenMP: snapkv.base.spinning.
 """
 
 import math
