@@ -149,8 +149,10 @@ def test_idle_openmp_threads_spin_less_unless_the_user_said_otherwise():
 
 def test_importing_snapkv_sets_the_spin_count_before_torch_loads_openmp():
     """In a fresh interpreter, as the CLI starts: snapkv first, then torch (which loads libgomp, reading the setting)."""
+    from snapkv.base.spinning import USERS_SETTINGS
+
     code = "import os, sys, snapkv; print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))"
-    environ = {name: value for name, value in os.environ.items() if name not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    environ = {name: value for name, value in os.environ.items() if name not in USERS_SETTINGS}
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=120)
     assert fresh.stdout.split() == ["False", "30000"], fresh.stderr
     users = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
