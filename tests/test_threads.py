@@ -13,7 +13,8 @@ import torch
 from snapkv import native
 from snapkv.base.errors import ConfigError
 from snapkv.native import threads
-from snapkv.native.threads import CoreShare, busy_seconds, quota_cores, threads_left, threads_setting
+from snapkv.native.threads import (CoreShare, busy_seconds, cgroup_busy_seconds, quota_cores, threads_left,
+                                   threads_setting)
 from snapkv.engine.working_cache import WorkingCache
 
 SAMPLE = Path(__file__).parent.parent / "samples" / "annual_report.txt"
@@ -59,7 +60,7 @@ class Machine:
             self.busy[cpu] += round((own_cores + other_cores) * seconds * 100 / len(self.busy))
 
     def share(self) -> CoreShare:
-        return CoreShare(2, frozenset(self.busy), read_stat=lambda: stat_text(self.busy),
+        return CoreShare(2, lambda: busy_seconds(stat_text(self.busy), frozenset(self.busy), 100.0),
                          clock=lambda: self.wall, own_time=lambda: self.own)
 
 
@@ -78,9 +79,36 @@ def test_the_threads_follow_what_another_process_uses_and_come_back_when_it_stop
 
 
 def test_a_machine_without_proc_stat_keeps_the_count_it_started_with():
-    share = CoreShare(2, frozenset({0, 1}), read_stat=lambda: None)
+    share = CoreShare(2, lambda: None)
     assert share.fit() == 2 and share.fit() == 2
     assert CoreShare(3, None).fit() == 3
+
+
+def test_under_a_cpu_quota_the_cgroups_own_use_is_read_against_the_quotas_cores(monkeypatch, tmp_path):
+    """A container given 2 CPUs on a 4-core host: the count starts at the quota's 2 and follows what the container's
+    other processes use (its cpu.stat), not the host's other tenants in /proc/stat."""
+    assert cgroup_busy_seconds("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n") == 2.5
+    assert cgroup_busy_seconds("nr_periods 0\n") is None
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    usage = tmp_path / "cpu.stat"
+    usage.write_text("usage_usec 1000000\n")
+    monkeypatch.setattr(threads, "QUOTA", tmp_path / "cpu.max")
+    monkeypatch.setattr(threads, "CGROUP_USAGE", usage)
+    monkeypatch.setattr(threads.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.delenv("SNAPKV_THREADS", raising=False)
+    share = threads._machine_share()
+    assert share.most == 2 and share._read_busy() == 1.0
+
+    wall, own = [0.0], [0.0]
+    share = CoreShare(2, lambda: cgroup_busy_seconds(usage.read_text()), clock=lambda: wall[0],
+                      own_time=lambda: own[0])
+    wall[0], own[0] = 1.0, 1.0
+    usage.write_text("usage_usec 3000000\n")  # this process 1 core-second, another in the container the other
+    assert share.fit() == 1
+    wall[0], own[0] = 2.0, 3.0
+    usage.write_text("usage_usec 5000000\n")  # this process alone again on both
+    assert share.fit() == 2
 
 
 def test_snapkv_threads_fixes_the_count_and_a_bad_value_is_a_config_error(monkeypatch):
@@ -140,19 +168,21 @@ def test_idle_openmp_threads_spin_less_unless_the_user_said_otherwise():
 
     environ: dict[str, str] = {}
     assert bound_the_spinning(environ, torch_loaded=False) and environ == {SETTING: SPINS}
-    for users in ({SETTING: "0"}, {"OMP_WAIT_POLICY": "active"}):
+    for users in ({SETTING: "0"}, {"OMP_WAIT_POLICY": "active"}, {"SNAPKV_THREADS": "2"}, {"SNAPKV_THREADS": " 1"}):
         environ = dict(users)
         assert not bound_the_spinning(environ, torch_loaded=False) and environ == users
+    environ = {"SNAPKV_THREADS": "Auto"}  # a fitted count, as with none
+    assert bound_the_spinning(environ, torch_loaded=False) and environ == {"SNAPKV_THREADS": "Auto", SETTING: SPINS}
     environ = {}
     assert not bound_the_spinning(environ, torch_loaded=True) and environ == {}  # libgomp has read its settings
 
 
 def test_importing_snapkv_sets_the_spin_count_before_torch_loads_openmp():
     """In a fresh interpreter, as the CLI starts: snapkv first, then torch (which loads libgomp, reading the setting)."""
-    from snapkv.base.spinning import USERS_SETTINGS
+    from snapkv.base.spinning import THREADS_SETTING, USERS_SETTINGS
 
     code = "import os, sys, snapkv; print('torch' in sys.modules, os.environ.get('GOMP_SPINCOUNT'))"
-    environ = {name: value for name, value in os.environ.items() if name not in USERS_SETTINGS}
+    environ = {name: value for name, value in os.environ.items() if name not in (*USERS_SETTINGS, THREADS_SETTING)}
     fresh = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, timeout=120)
     assert fresh.stdout.split() == ["False", "30000"], fresh.stderr
     users = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
