@@ -241,10 +241,10 @@ SIMULATE_DOC = """Stored tiers the file format cannot hold yet, simulated in mem
 
 Each tier of --tier (comma-separated) is rounded as its bits say, then what snapkv.measure.simulated describes is
 done: the first --sinks and last --recent positions of each head put back exact, its --key-outliers key channels of
-largest magnitude put back exact, the keys rounded before RoPE (--keys-before-rope). With --coded TRANSFORM the
-tier's rounding is replaced by transform coding (snapkv.measure.transform_coded: each head's principal components,
-a Hadamard rotation or its channels, one uniform step, entropy-coded), the tier's key and value bits then being
-what a value's code may cost. The result is kept in 16 bits, so every question reads these values as it would a
+largest magnitude put back exact, the positions whose token is a number's put back exact (--numbers), the keys
+rounded before RoPE (--keys-before-rope). With --coded TRANSFORM the tier's rounding is replaced by transform coding
+(snapkv.measure.transform_coded: each head's principal components, a Hadamard rotation or its channels, one uniform
+step, entropy-coded), the tier's key and value bits then being what a value's code may cost. The result is kept in 16 bits, so every question reads these values as it would a
 real tier's; the file written is 16-bit, so its size is estimated and printed. The arguments after -- go to
 `snapkv eval fidelity` as they are (its --tiers is this --tier). Only --tier is simulated: run the real tier in a
 run of its own (`snapkv eval fidelity --tiers TIER`) to compare.
@@ -257,7 +257,7 @@ run of its own (`snapkv eval fidelity --tiers TIER`) to compare.
 
 def run_simulate(argv: list[str]) -> int:
     from snapkv.engine import tiers
-    from snapkv.measure.simulated import Simulation, estimated_ratio, simulated_layer
+    from snapkv.measure.simulated import Simulation, estimated_ratio, number_tokens, simulated_layer
     from snapkv.measure.transform_coded import TRANSFORMS
     from snapkv_cli.app import main
 
@@ -279,29 +279,37 @@ def run_simulate(argv: list[str]) -> int:
     parser.add_argument("--recent", type=int, default=0, help="each head's last positions kept exact")
     parser.add_argument("--key-outliers", type=int, default=0, help="key channels per head kept exact")
     parser.add_argument("--keys-before-rope", action="store_true", help="round the keys before RoPE")
+    parser.add_argument("--numbers", action="store_true",
+                        help="keep exact the positions whose token holds a digit (and a number's '.', ',' or '%%')")
     parser.add_argument("--coded", choices=TRANSFORMS, default="",
                         help="transform-code each head instead of rounding it, the bits what a value's code costs")
     args = parser.parse_args(ours)
     if min(args.sinks, args.recent, args.key_outliers) < 0:
         parser.error("--sinks, --recent and --key-outliers count positions or channels: 0 or more")
-    simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope, args.coded)
+    simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope, args.coded,
+                            args.numbers)
     real = tiers.at_stored_precision
 
     def simulated(model, prompter, cache, bits, on_step=None):
         bits = Bits.parse(bits)
         if bits not in args.tier:
             return real(model, prompter, cache, bits, on_step)
-        keys, values = [], []
+        keys, values, shares = [], [], []
+        texts = prompter.tokenizer.convert_ids_to_tokens(cache.token_ids.tolist())
+        is_number = number_tokens([prompter.tokenizer.convert_tokens_to_string([text]) for text in texts])
         for layer_keys, layer_values, positions in zip(cache.keys, cache.values, cache.positions):
             # (kv_heads, held, head_dim) each: the rotary embedding at each head's held positions
             rope = model.model.rotary_emb(layer_keys.float(), positions) if args.keys_before_rope else None
-            layer = simulated_layer(layer_keys, layer_values, bits, simulation, rope)
+            numbers = is_number[positions.cpu()]  # (kv_heads, held)
+            shares.append(numbers.float().mean().item() if args.numbers else 0.0)
+            layer = simulated_layer(layer_keys, layer_values, bits, simulation, rope, numbers)
             keys.append(layer[0].to(layer_keys.dtype))
             values.append(layer[1].to(layer_values.dtype))
         shape = cache.layer_shapes()[0]
+        share = sum(shares) / len(shares)
         print(f"simulated {bits} ({simulation.describe()}): about "
-              f"{estimated_ratio(bits, simulation, shape[1], shape[2]):.2f}x smaller than 16 bits at "
-              f"{shape[1]} positions", file=sys.stderr, flush=True)
+              f"{estimated_ratio(bits, simulation, shape[1], shape[2], share):.2f}x smaller than 16 bits at "
+              f"{shape[1]} positions ({share:.1%} of them a number's)", file=sys.stderr, flush=True)
         return replace(cache, keys=keys, values=values, payload=None).at_precision(16)
 
     tiers.at_stored_precision = simulated

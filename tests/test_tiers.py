@@ -597,6 +597,26 @@ def test_keys_rounded_before_rope_come_back_with_rope_on():
         simulated_layer(keys, values, bits, Simulation(keys_before_rope=True))
 
 
+def test_number_positions_are_digits_and_their_separators_and_a_simulated_tier_keeps_them_exact():
+    from snapkv.measure.simulated import Simulation, number_tokens, simulated_layer
+
+    texts = ["The", " revenue", " was", " ", "1", "2", ",", "5", "0", "0", " in", " ", "2", "0", "2", "3", ".", " Up",
+             " 4", "%", ", ", "Q", "3", "."]
+    found = number_tokens(texts).tolist()
+    assert [text for text, chosen in zip(texts, found) if chosen] == ["1", "2", ",", "5", "0", "0", "2", "0", "2", "3",
+                                                                     ".", " 4", "%", "3", "."]
+    torch.manual_seed(2)
+    keys, values = torch.randn(2, 24, 64), torch.randn(2, 24, 64)
+    numbers = torch.tensor(found).expand(2, 24)  # (kv_heads, held)
+    bits = Bits.parse("4")
+    kept_keys, kept_values = simulated_layer(keys, values, bits, Simulation(numbers=True), numbers=numbers)
+    plain_keys, plain_values = simulated_layer(keys, values, bits, Simulation())
+    for kept, exact, plain in ((kept_keys, keys, plain_keys), (kept_values, values, plain_values)):
+        assert torch.equal(kept[numbers], exact[numbers]) and torch.equal(kept[~numbers], plain[~numbers])
+    with pytest.raises(ValueError, match="number"):
+        simulated_layer(keys, values, bits, Simulation(numbers=True))
+
+
 def test_a_simulated_tier_estimates_its_size_against_16_bits():
     from snapkv.measure.simulated import Simulation, estimated_ratio
 
@@ -605,6 +625,8 @@ def test_a_simulated_tier_estimates_its_size_against_16_bits():
     with_exact = estimated_ratio(Bits.parse("8/4g32"), Simulation(sinks=4, recent=56), 6000, 64)
     assert with_exact == pytest.approx(32 / (0.01 * 32 + 0.99 * 14))
     assert estimated_ratio(Bits(16), Simulation(), 6000, 64) == 1.0
+    with_numbers = estimated_ratio(Bits.parse("8/4g32"), Simulation(sinks=4, recent=56, numbers=True), 6000, 64, 0.09)
+    assert with_numbers == pytest.approx(32 / (0.1 * 32 + 0.9 * 14))
 
 
 def test_entropy_per_value_is_each_components_order_zero_entropy():

@@ -6,6 +6,9 @@ A tier's keys and values are rounded as its Bits say (snapkv.storage.quantize), 
                     (arXiv 2403.01241) keeps the attention sinks exact, KIVI (arXiv 2402.02750) the recent window;
   key_outliers      each head's `key_outliers` key channels of largest magnitude are put back as they were
                     (KVQuant, arXiv 2401.18079, keeps about 1% of its keys in 16 bits);
+  numbers           the positions whose token holds a digit (and the '.', ',' or '%' between or after digits) are put
+                    back as they were: the facts a question asks for are mostly numbers, and a copied number reads
+                    its own positions' values;
   keys_before_rope  the keys are rounded before RoPE (RoPE taken off, rounded per the tier, put back on), as
                     KVQuant quantizes keys per channel before RoPE, where a channel's values are alike;
   coded             instead of the tier's rounding, each head transform-coded (snapkv.measure.transform_coded:
@@ -38,10 +41,12 @@ class Simulation:
     key_outliers: int = 0
     keys_before_rope: bool = False
     coded: str = ""  # a transform of snapkv.measure.transform_coded, or "" for the tier's own rounding
+    numbers: bool = False
 
     def describe(self) -> str:
         parts = [f"first {self.sinks} positions exact"] if self.sinks else []
         parts += [f"last {self.recent} positions exact"] if self.recent else []
+        parts += ["number positions exact"] if self.numbers else []
         parts += [f"{self.key_outliers} outlier key channels exact"] if self.key_outliers else []
         parts += ["keys rounded before RoPE"] if self.keys_before_rope else []
         parts += [f"transform-coded ({self.coded}), the bits what a value's code costs"] if self.coded else []
@@ -59,6 +64,15 @@ def with_rope(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return keys * cos + rotate_half(keys) * sin
 
 
+def number_tokens(token_texts: list[str]) -> torch.Tensor:
+    """(tokens,) bool: True at each token that holds a digit, and at a '.', ',' or '%' token right after one (a
+    number's separators and unit, as a tokenizer that splits digits apart leaves them)."""
+    digits = [any(character.isdigit() for character in text) for text in token_texts]
+    chosen = [digit or (index > 0 and digits[index - 1] and text.strip() in (".", ",", "%"))
+              for index, (digit, text) in enumerate(zip(digits, token_texts))]
+    return torch.tensor(chosen, dtype=torch.bool)
+
+
 def _rounded(x: torch.Tensor, scheme: Scheme | None) -> torch.Tensor:
     """x (kv_heads, held, head_dim) float32 as `scheme` stores it and restores it (None: as it is)."""
     return x if scheme is None else dequantize(quantize(x, scheme), torch.float32)
@@ -73,11 +87,13 @@ def _outlier_channels(keys: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def simulated_layer(keys: torch.Tensor, values: torch.Tensor, bits: Bits, simulation: Simulation,
-                    rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    numbers: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's keys and values (kv_heads, held, head_dim) as the simulated tier restores them, float32.
 
     rope: (cos, sin), each (kv_heads, held, head_dim), the rotary embedding at each held position; needed for
-    keys_before_rope."""
+    keys_before_rope. numbers: (kv_heads, held) bool, the held positions whose token is a number's (number_tokens);
+    needed for simulation.numbers."""
     if bits.share:
         raise ValueError("a sharper share is not simulated: it is a tier the file holds already")
     key_scheme, value_scheme = stored_schemes(bits, keys.shape[-1])
@@ -101,6 +117,10 @@ def simulated_layer(keys: torch.Tensor, values: torch.Tensor, bits: Bits, simula
     exact_positions[:min(simulation.sinks, held)] = True
     exact_positions[held - min(simulation.recent, held):] = True
     exact_positions = exact_positions.view(1, held, 1)
+    if simulation.numbers:
+        if numbers is None:
+            raise ValueError("number positions exact needs which held positions are a number's")
+        exact_positions = exact_positions | numbers.unsqueeze(-1)  # (kv_heads, held, 1)
     return (torch.where(exact_positions, exact_keys, rounded_keys),
             torch.where(exact_positions, exact_values, rounded_values))
 
@@ -109,11 +129,12 @@ def _bits_per_value(scheme: Scheme | None) -> float:
     return 16.0 if scheme is None else scheme.bits + SCALE_BITS / scheme.group
 
 
-def estimated_ratio(bits: Bits, simulation: Simulation, held: int, head_dim: int) -> float:
+def estimated_ratio(bits: Bits, simulation: Simulation, held: int, head_dim: int, number_share: float = 0.0) -> float:
     """16 bits against what the simulated tier would store per held position of a head, had the format the
-    exact positions (16 bits) and exact channels (16 bits and a byte naming each) it needs."""
+    exact positions (16 bits) and exact channels (16 bits and a byte naming each) it needs. number_share: the share
+    of held positions kept exact as a number's (simulation.numbers)."""
     key_scheme, value_scheme = stored_schemes(bits, head_dim)
-    exact = min(held, simulation.sinks + simulation.recent) / held
+    exact = min(1.0, min(held, simulation.sinks + simulation.recent) / held + number_share)
     outliers = simulation.key_outliers / head_dim
     if simulation.coded:
         side = side_bits_per_value(simulation.coded, held, head_dim)
