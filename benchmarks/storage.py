@@ -279,6 +279,14 @@ def run_simulate(argv: list[str]) -> int:
     parser.add_argument("--recent", type=int, default=0, help="each head's last positions kept exact")
     parser.add_argument("--key-outliers", type=int, default=0, help="key channels per head kept exact")
     parser.add_argument("--keys-before-rope", action="store_true", help="round the keys before RoPE")
+    def layer_range(text: str) -> tuple[int, int]:
+        first, _, last = text.partition("-")
+        if not (first.isdigit() and last.isdigit()) or int(first) > int(last):
+            raise argparse.ArgumentTypeError(f"layers as FIRST-LAST, counted from 0 (0-14), not {text!r}")
+        return int(first), int(last)
+
+    parser.add_argument("--layers", type=layer_range, default=None,
+                        help="round only the layers FIRST-LAST (counted from 0), keep the others as they are")
     parser.add_argument("--numbers", action="store_true",
                         help="keep exact the positions whose token holds a digit (and a number's '.', ',' or '%%')")
     parser.add_argument("--coded", choices=TRANSFORMS, default="",
@@ -287,7 +295,7 @@ def run_simulate(argv: list[str]) -> int:
     if min(args.sinks, args.recent, args.key_outliers) < 0:
         parser.error("--sinks, --recent and --key-outliers count positions or channels: 0 or more")
     simulation = Simulation(args.sinks, args.recent, args.key_outliers, args.keys_before_rope, args.coded,
-                            args.numbers)
+                            args.numbers, args.layers)
     real = tiers.at_stored_precision
 
     def simulated(model, prompter, cache, bits, on_step=None):
@@ -297,7 +305,11 @@ def run_simulate(argv: list[str]) -> int:
         keys, values, shares = [], [], []
         texts = prompter.tokenizer.convert_ids_to_tokens(cache.token_ids.tolist())
         is_number = number_tokens([prompter.tokenizer.convert_tokens_to_string([text]) for text in texts])
-        for layer_keys, layer_values, positions in zip(cache.keys, cache.values, cache.positions):
+        for index, (layer_keys, layer_values, positions) in enumerate(zip(cache.keys, cache.values, cache.positions)):
+            if not simulation.rounds_layer(index):
+                keys.append(layer_keys)
+                values.append(layer_values)
+                continue
             # (kv_heads, held, head_dim) each: the rotary embedding at each head's held positions
             rope = model.model.rotary_emb(layer_keys.float(), positions) if args.keys_before_rope else None
             numbers = is_number[positions.cpu()]  # (kv_heads, held)
@@ -306,9 +318,10 @@ def run_simulate(argv: list[str]) -> int:
             keys.append(layer[0].to(layer_keys.dtype))
             values.append(layer[1].to(layer_values.dtype))
         shape = cache.layer_shapes()[0]
-        share = sum(shares) / len(shares)
-        print(f"simulated {bits} ({simulation.describe()}): about "
-              f"{estimated_ratio(bits, simulation, shape[1], shape[2], share):.2f}x smaller than 16 bits at "
+        share = sum(shares) / max(1, len(shares))
+        rounded_layers = len(shares) / len(cache.keys)  # the rest stay in 16 bits
+        ratio = 1 / (rounded_layers / estimated_ratio(bits, simulation, shape[1], shape[2], share) + 1 - rounded_layers)
+        print(f"simulated {bits} ({simulation.describe()}): about {ratio:.2f}x smaller than 16 bits at "
               f"{shape[1]} positions ({share:.1%} of them a number's)", file=sys.stderr, flush=True)
         return replace(cache, keys=keys, values=values, payload=None).at_precision(16)
 

@@ -617,6 +617,15 @@ def test_number_positions_are_digits_and_their_separators_and_a_simulated_tier_k
         simulated_layer(keys, values, bits, Simulation(numbers=True))
 
 
+def test_a_simulation_of_some_layers_rounds_those_and_says_so():
+    from snapkv.measure.simulated import Simulation
+
+    halves = Simulation(layers=(0, 14))
+    assert [halves.rounds_layer(index) for index in (0, 14, 15, 29)] == [True, True, False, False]
+    assert all(Simulation().rounds_layer(index) for index in range(30))
+    assert "only layers 0-14 rounded" in halves.describe() and "layers" not in Simulation().describe()
+
+
 def test_a_simulated_tier_estimates_its_size_against_16_bits():
     from snapkv.measure.simulated import Simulation, estimated_ratio
 

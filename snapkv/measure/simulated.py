@@ -9,6 +9,8 @@ A tier's keys and values are rounded as its Bits say (snapkv.storage.quantize), 
   numbers           the positions whose token holds a digit (and the '.', ',' or '%' between or after digits) are put
                     back as they were: the facts a question asks for are mostly numbers, and a copied number reads
                     its own positions' values;
+  layers            only the layers FIRST-LAST (counted from 0) are rounded, the others kept as they were: which
+                    layers the lost facts depend on;
   keys_before_rope  the keys are rounded before RoPE (RoPE taken off, rounded per the tier, put back on), as
                     KVQuant quantizes keys per channel before RoPE, where a channel's values are alike;
   coded             instead of the tier's rounding, each head transform-coded (snapkv.measure.transform_coded:
@@ -42,11 +44,16 @@ class Simulation:
     keys_before_rope: bool = False
     coded: str = ""  # a transform of snapkv.measure.transform_coded, or "" for the tier's own rounding
     numbers: bool = False
+    layers: tuple[int, int] | None = None  # (first, last) rounded, both included; None: every layer
+
+    def rounds_layer(self, index: int) -> bool:
+        return self.layers is None or self.layers[0] <= index <= self.layers[1]
 
     def describe(self) -> str:
         parts = [f"first {self.sinks} positions exact"] if self.sinks else []
         parts += [f"last {self.recent} positions exact"] if self.recent else []
         parts += ["number positions exact"] if self.numbers else []
+        parts += [f"only layers {self.layers[0]}-{self.layers[1]} rounded"] if self.layers else []
         parts += [f"{self.key_outliers} outlier key channels exact"] if self.key_outliers else []
         parts += ["keys rounded before RoPE"] if self.keys_before_rope else []
         parts += [f"transform-coded ({self.coded}), the bits what a value's code costs"] if self.coded else []
