@@ -244,10 +244,11 @@ done: the first --sinks and last --recent positions of each head put back exact,
 largest magnitude put back exact, the positions whose token is a number's put back exact (--numbers), the keys
 rounded before RoPE (--keys-before-rope). With --coded TRANSFORM the tier's rounding is replaced by transform coding
 (snapkv.measure.transform_coded: each head's principal components, a Hadamard rotation or its channels, one uniform
-step, entropy-coded), the tier's key and value bits then being what a value's code may cost. The result is kept in 16 bits, so every question reads these values as it would a
-real tier's; the file written is 16-bit, so its size is estimated and printed. The arguments after -- go to
-`snapkv eval fidelity` as they are (its --tiers is this --tier). Only --tier is simulated: run the real tier in a
-run of its own (`snapkv eval fidelity --tiers TIER`) to compare.
+step, entropy-coded), the tier's key and value bits then being what a value's code may cost. With --layers only
+those layers are rounded. The result is kept in 16 bits, so every question reads these values as it would a real
+tier's; the file written is 16-bit, so its size is estimated and printed. The arguments after -- go to `snapkv eval
+fidelity` as they are (its --tiers is this --tier). Only --tier is simulated: run the real tier in a run of its own
+(`snapkv eval fidelity --tiers TIER`) to compare.
 
     .venv/bin/python benchmarks/storage.py simulate --tier 8/4g32 --sinks 4 --recent 64 -- \\
         --only mountain_expedition --needle-lengths '' --floor '' -o simulated.json

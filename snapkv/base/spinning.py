@@ -10,7 +10,7 @@ moved beyond the run-to-run noise. Where to wait never changes a result, only wh
 
 A user's own GOMP_SPINCOUNT or OMP_WAIT_POLICY is left as it is, and so is a process that loaded torch first. So is
 a process whose kernels' thread count is fixed by SNAPKV_THREADS (snapkv.native.threads): two such processes on the
-same cores, each with a thread per core, decoded at 4 tokens/s each with 30,000 spins and at 19-22 with libgomp's own
+same cores, each with a thread per core, decoded at 4 tokens/s each with 30,000 spins and at 19-28 with libgomp's own
 (AMD EPYC); fitted counts, the default, keep half their speed either way.
 """
 
