@@ -112,7 +112,8 @@ class CoreShare:
     """The thread count for this process, refreshed from a reading of the machine every SAMPLE_SECONDS."""
 
     def __init__(self, most: int, read_busy: Callable[[], float | None] | None,
-                 clock: Callable[[], float] = time.monotonic, own_time: Callable[[], float] = time.process_time) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 own_time: Callable[[], float] = time.process_time) -> None:
         """most: the threads to use alone; read_busy: the CPU seconds the cores this process may use have been busy
         (a reading of /proc/stat or of a cgroup), None (or a reader that finds nothing) to keep `most` fixed."""
         self.most = self.threads = most
