@@ -303,9 +303,11 @@ def run_simulate(argv: list[str]) -> int:
         bits = Bits.parse(bits)
         if bits not in args.tier:
             return real(model, prompter, cache, bits, on_step)
-        keys, values, shares = [], [], []
-        texts = prompter.tokenizer.convert_ids_to_tokens(cache.token_ids.tolist())
-        is_number = number_tokens([prompter.tokenizer.convert_tokens_to_string([text]) for text in texts])
+        is_number = None  # (original_length,) bool: the prompt's number tokens, only where they are kept exact
+        if simulation.numbers:
+            texts = prompter.tokenizer.convert_ids_to_tokens(cache.token_ids.tolist())
+            is_number = number_tokens([prompter.tokenizer.convert_tokens_to_string([text]) for text in texts])
+        keys, values, number_shares = [], [], []
         for index, (layer_keys, layer_values, positions) in enumerate(zip(cache.keys, cache.values, cache.positions)):
             if not simulation.rounds_layer(index):
                 keys.append(layer_keys)
@@ -313,17 +315,20 @@ def run_simulate(argv: list[str]) -> int:
                 continue
             # (kv_heads, held, head_dim) each: the rotary embedding at each head's held positions
             rope = model.model.rotary_emb(layer_keys.float(), positions) if args.keys_before_rope else None
-            numbers = is_number[positions.cpu()]  # (kv_heads, held)
-            shares.append(numbers.float().mean().item() if args.numbers else 0.0)
+            numbers = None if is_number is None else is_number[positions.cpu()]  # (kv_heads, held)
+            if numbers is not None:
+                number_shares.append(numbers.float().mean().item())
             layer = simulated_layer(layer_keys, layer_values, bits, simulation, rope, numbers)
             keys.append(layer[0].to(layer_keys.dtype))
             values.append(layer[1].to(layer_values.dtype))
         shape = cache.layer_shapes()[0]
-        share = sum(shares) / max(1, len(shares))
-        rounded_layers = len(shares) / len(cache.keys)  # the rest stay in 16 bits
-        ratio = 1 / (rounded_layers / estimated_ratio(bits, simulation, shape[1], shape[2], share) + 1 - rounded_layers)
+        number_share = sum(number_shares) / len(number_shares) if number_shares else 0.0
+        rounded_layers = sum(map(simulation.rounds_layer, range(len(cache.keys)))) / len(cache.keys)  # the rest 16-bit
+        rounded_ratio = estimated_ratio(bits, simulation, shape[1], shape[2], number_share)
+        ratio = 1 / (rounded_layers / rounded_ratio + 1 - rounded_layers)
+        numbers_said = f" ({number_share:.1%} of them a number's)" if simulation.numbers else ""
         print(f"simulated {bits} ({simulation.describe()}): about {ratio:.2f}x smaller than 16 bits at "
-              f"{shape[1]} positions ({share:.1%} of them a number's)", file=sys.stderr, flush=True)
+              f"{shape[1]} positions{numbers_said}", file=sys.stderr, flush=True)
         return replace(cache, keys=keys, values=values, payload=None).at_precision(16)
 
     tiers.at_stored_precision = simulated
