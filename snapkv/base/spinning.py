@@ -21,7 +21,7 @@ from collections.abc import MutableMapping
 SETTING = "GOMP_SPINCOUNT"
 SPINS = "30000"
 USERS_SETTINGS = (SETTING, "OMP_WAIT_POLICY")
-THREADS_SETTING = "SNAPKV_THREADS"  # snapkv.native.threads.SETTING: a count there is fixed, "auto" fits it
+THREADS_SETTING = "SNAPKV_THREADS"  # snapkv.native.threads reads it: a count there is fixed, "auto" fits it
 
 
 def bound_the_spinning(environ: MutableMapping[str, str] = os.environ, torch_loaded: bool | None = None) -> bool:

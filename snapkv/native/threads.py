@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapkv.base.errors import ConfigError
+from snapkv.base.spinning import THREADS_SETTING
 
-SETTING = "SNAPKV_THREADS"  # auto (the default) or a fixed count
+SETTING = THREADS_SETTING  # SNAPKV_THREADS: auto (the default) or a fixed count
 SAMPLE_SECONDS = 0.25       # the shortest window over which other processes' use is measured
 IGNORED_USE = 0.25          # cores used by others below this are not worth giving a thread up for
 STAT = Path("/proc/stat")
