@@ -350,8 +350,9 @@ def fidelity(
         if result.storage:
             out.print(_comparison_table(f"storage fidelity: each tier against 16 bits, cut to {budget} per question "
                                         f"({loaded.name}, {data['dtype']})", result.storage, with_bytes=True))
-        out.print(_comparison_table("compression fidelity: 16 bits cut per question against the full cache",
-                                    result.compression, with_bytes=False))
+        if result.compression:  # none under --more: no full cache was asked
+            out.print(_comparison_table("compression fidelity: 16 bits cut per question against the full cache",
+                                        result.compression, with_bytes=False))
         err.print(f"{questions} questions in {result.seconds / 60:.1f} min on {result.cpu}", markup=False)
     if written:
         err.print(f"wrote {written}", markup=False, soft_wrap=True)
