@@ -263,9 +263,27 @@ def test_a_questions_attention_and_cut_from_the_codes_give_their_references_valu
         torch.testing.assert_close(kernel_values, values, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_products_over_gguf_blocks_give_their_references_values(type_name, rows):
+    from gguf_samples import gguf_py_weights, random_blocks
+
+    from snapkv.modeling.gguf_file import TENSOR_TYPES
+
+    type_id = next(number for number, (name, _, _) in TENSOR_TYPES.items() if name == type_name)
+    n, k = 21, 512
+    blocks = random_blocks(type_name, n, k, torch.Generator().manual_seed(rows))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7))
+    y = torch.empty(rows, n)
+    reference_of = (x.double() @ gguf_py_weights(type_name, blocks).double().T).float()
+    kernel, reference = _both("gguf_matmul", [y], x, rows, k, type_id, blocks, blocks.shape[1], n, y, 2)
+    torch.testing.assert_close(reference[0], reference_of, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kernel[0], reference[0], rtol=2e-5, atol=2e-5 * reference_of.abs().max().item())
+
+
 # the exported functions that need no reference: plain scalar C already (checked below), or about the build
 SCALAR = ("rope_rows", "window_scores", "chunk_means", "word_maxima", "top_positions", "gather_rows", "mask_positions",
-          "part_rows", "part_columns", "half_all_finite")
+          "part_rows", "part_columns", "half_all_finite", "gguf_block_form", "gguf_dequantize", "gguf_rows")
 ABOUT_THE_BUILD = ("kernel_variant", "kernel_threads", "wide_vectors")
 
 

@@ -25,6 +25,10 @@ class UnsupportedModelError(SnapKVError):
     exit_code = 3
 
 
+class ModelFileError(UnsupportedModelError):
+    """A model file that is damaged, truncated, crafted, or holds what snapkv does not read (a GGUF's unknown type)."""
+
+
 class DocumentError(SnapKVError):
     """A document that cannot be read or turned into a prompt."""
 

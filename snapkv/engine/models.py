@@ -113,7 +113,7 @@ def resolve_model_source(spec: str | None, on_convert: Callable[[int, int], None
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"no such GGUF file: {spec}")
-        return path.stem, str(convert_gguf(path, on_convert))
+        return path.stem, str(path)  # read in its own blocks (snapkv.engine.gguf_model), never converted
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"{spec} is a folder but holds no config.json: not a Hugging Face model folder")
@@ -247,6 +247,8 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     torch_device = pick_device(device)
     threads_now()  # the first reading of what other processes use: the load's seconds are the first window
     name, source = resolve_model_source(spec, on_convert)
+    if source.endswith(".gguf"):
+        return _load_gguf(name, Path(source), torch_device, dtype, device_map, on_convert)
     torch_dtype, prefill_dtype = pick_precision(dtype, torch_device, _weight_bytes(source))
     transformers_logging.disable_progress_bar()  # loading takes seconds; its per-tensor bar is noise
     placement = {"device_map": device_map} if device_map else {}
@@ -276,6 +278,32 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     if torch_device.type == "cpu" and not device_map:
         weights = _plain_weights(model, narrow=block_weights) or weights
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights, prefill_dtype)
+
+
+def _load_gguf(name: str, path: Path, device: torch.device, dtype: str, device_map: str | None,
+               on_convert: Callable[[int, int], None] | None) -> LoadedModel:
+    """A user's GGUF file, its weights read in the file's own blocks where it is mapped (snapkv.engine.gguf_model):
+    on the CPU only, the products in fp32 from the blocks for a few rows, the prefill's tiles in bf16 where the CPU
+    has bf16 units (else fp32) unless --dtype float32 asks for fp32 throughout."""
+    from snapkv import native
+    from snapkv.engine.gguf_model import load_gguf
+
+    if device.type != "cpu" or device_map:
+        raise ConfigError(f"{path.name}: a GGUF file runs on the CPU, in its own blocks; for a GPU, pass the "
+                          "model's Hugging Face folder (safetensors)")
+    reason = native.unavailable_reason()
+    if reason:
+        raise ConfigError(f"{path.name}: a GGUF file is read by snapkv's C kernels, which are unavailable here "
+                          f"({reason})")
+    if dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
+        raise ConfigError(f"{path.name}: --dtype {dtype} is not one a GGUF file runs in: use auto, float32 or bfloat16")
+    prefill_dtype = (torch.bfloat16 if dtype in ("bfloat16", "bf16") or (dtype == "auto" and cpu_has_bf16_units())
+                     else None)
+    loaded = load_gguf(path, pick_attention(device), on_convert)
+    check_supported(loaded.model)
+    result = LoadedModel(loaded.model, loaded.tokenizer, name, device, torch.float32, loaded.describe(), prefill_dtype)
+    result.__dict__["gguf"] = loaded  # the mapped file lives as long as the model
+    return result
 
 
 def _plain_weights(model, narrow: bool = True) -> str | None:

@@ -31,6 +31,7 @@ from snapkv.engine import lean_decode
 from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import BlockLinear, Blocks, fused_blocks
 from snapkv.modeling.dense_weights import DENSE_DTYPES, fused_dense, plain_weight
+from snapkv.modeling.gguf_weights import GGUFEmbedding, GGUFLinear
 from snapkv.modeling.presized import PresizedLayer
 from snapkv.native.threads import threads_now
 
@@ -98,10 +99,12 @@ class NativeDecoder:
         self._angle_bytes = head_dim * 4  # a row of cos or sin
         self._cos_address, self._sin_address = (native.pointer(angles, torch.float32, (None, head_dim))
                                                 for angles in (cos, sin))
-        embeddings = model.model.embed_tokens.weight
-        fp32_rows = embeddings.dtype == torch.float32 and embeddings.is_contiguous() and embeddings.device.type == "cpu"
+        table = model.model.embed_tokens
+        embeddings = table.weight
+        fp32_rows = (not isinstance(table, GGUFEmbedding) and embeddings.dtype == torch.float32
+                     and embeddings.is_contiguous() and embeddings.device.type == "cpu")
         self._embedding_address = (native.pointer(embeddings, torch.float32, (None, found.shape.hidden)) if fp32_rows
-                                   else None)  # else copied by PyTorch (bf16 widened)
+                                   else None)  # else looked up by the module (bf16 widened, a GGUF's blocks)
         self._vocab, self._row_bytes = embeddings.shape[0], found.shape.hidden * 4
 
     def step(self, token: int, position: int) -> torch.Tensor | None:
@@ -118,7 +121,7 @@ class NativeDecoder:
             ctypes.memmove(self._hidden_address, self._embedding_address + token * self._row_bytes, self._row_bytes)
         else:
             with torch.inference_mode():
-                self._hidden.copy_(self._model.model.embed_tokens.weight[token])
+                self._hidden.copy_(self._model.model.embed_tokens(torch.tensor([token]))[0])
         status = self._decode_token(self._shape_address, self._layers, len(self._layers), self._hidden_address, cos,
                                     sin, threads_now())
         if status == ROOM_EXHAUSTED:
@@ -180,10 +183,10 @@ def output_head(model) -> OutputHead | None:
             or not hasattr(norm, "variance_epsilon")):
         return None
     blocks, weight = _plain_blocks(head), plain_weight(head)
-    matrix = _c_matrix(blocks, weight)
+    matrix = _c_matrix(blocks, weight) if not isinstance(head, GGUFLinear) else _gguf_part(head, with_bias=False)
     if matrix is None:
         return None
-    read = blocks if blocks is not None else weight
+    read = head if isinstance(head, GGUFLinear) else blocks if blocks is not None else weight
     return OutputHead(norm.weight.detach().float().contiguous(), norm.variance_epsilon, matrix, read)
 
 
@@ -197,7 +200,7 @@ def output_logits(model, hidden: torch.Tensor, head: OutputHead | None) -> torch
         if logits is not None:
             return logits
     normed = lean_decode.rms_norm(model.model.norm, hidden[:, -1:])
-    return model.lm_head(normed.to(model.lm_head.weight.dtype))[0, -1]
+    return model.lm_head(normed.to(model.get_input_embeddings().weight.dtype))[0, -1]
 
 
 def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,7 +208,7 @@ def _rotary(model, first_position: int, count: int) -> tuple[torch.Tensor, torch
     rotary module (so its scaling, e.g. Llama 3's, is the model's)."""
     inner = model.model
     positions = torch.arange(first_position, first_position + count).unsqueeze(0)  # (1, count)
-    probe = inner.embed_tokens.weight[:1].unsqueeze(0).float()  # (1, 1, hidden): fp32 angles, as the C step computes
+    probe = torch.zeros(1, 1, 1)  # fp32 on the CPU: the angles' dtype, as the C step computes them
     cos, sin = inner.rotary_emb(probe, positions)  # (1, count, head_dim) each
     return cos[0].float().contiguous(), sin[0].float().contiguous()
 
@@ -216,6 +219,44 @@ def _c_matrix(blocks: Blocks | None, weight: torch.Tensor | None) -> native.Bloc
     if blocks is not None:
         return _matrix(blocks) if _contiguous(blocks) else None
     return _dense_matrix(weight) if weight is not None else None
+
+
+def _gguf_part(linear: torch.nn.Module, with_bias: bool) -> native.BlockMatrix | None:
+    """The C view of a projection read in a GGUF file's own blocks (snapkv.modeling.gguf_weights), or None where it is
+    not one (or has a bias and with_bias is False: its bias is added apart, by the layer)."""
+    if not isinstance(linear, GGUFLinear) or (linear.bias is not None and not with_bias):
+        return None
+    matrix = linear.matrix
+    dense = matrix.dense()
+    if dense is not None:
+        return _dense_matrix(dense)
+    return native.BlockMatrix(0, native.pointer(matrix.blocks, torch.uint8, (matrix.outputs, None)), None, None,
+                              matrix.outputs, matrix.inputs, matrix.type_id, matrix.blocks.shape[1], None)
+
+
+def _gguf_stack(linears: list[torch.nn.Module], kept: list) -> native.BlockMatrix | None:
+    """Projections in a GGUF file's own blocks (q, k, v; gate, up) as one matrix whose parts follow one another
+    (block_matrix.next: each part in its own type), the first returned, the others kept alive in `kept`; None where
+    any is not such a projection."""
+    parts = [_gguf_part(linear, with_bias=True) for linear in linears]
+    if any(part is None for part in parts):
+        return None
+    for part, following in zip(parts, parts[1:]):
+        part.next = ctypes.addressof(following)
+    kept.extend(parts)
+    return parts[0]
+
+
+def _qkv_bias(attention: torch.nn.Module, kept: list) -> int | None:
+    """The address of q, k and v's biases one after another (fp32; zeros for a projection without one), None where
+    none has a bias."""
+    linears = [attention.q_proj, attention.k_proj, attention.v_proj]
+    if all(linear.bias is None for linear in linears):
+        return None
+    bias = torch.cat([linear.bias.detach().float() if linear.bias is not None else torch.zeros(linear.out_features)
+                      for linear in linears]).contiguous()  # (q + k + v outputs,)
+    kept.append(bias)
+    return native.pointer(bias, torch.float32)
 
 
 def _dense_matrix(weight: torch.Tensor) -> native.BlockMatrix:
@@ -243,9 +284,19 @@ def _model_layers(model) -> ModelLayers | None:
     layers, kept = [], []
     for decoder_layer in decoder_layers:
         attention, mlp = decoder_layer.self_attn, decoder_layer.mlp
-        qkv, gate_up = (_c_matrix(fused_blocks(parent, names), fused_dense(parent, names))
-                        for parent, names in ((attention, lean_decode.QKV), (mlp, lean_decode.GATE_UP)))
-        o, down = (_c_matrix(_plain_blocks(linear), plain_weight(linear)) for linear in (attention.o_proj, mlp.down_proj))
+        if isinstance(attention.q_proj, GGUFLinear):  # a GGUF file's blocks: parts in their own types, q/k/v biases
+            qkv = _gguf_stack([getattr(attention, name) for name in lean_decode.QKV], kept)
+            gate_up = _gguf_stack([getattr(mlp, name) for name in lean_decode.GATE_UP], kept)
+            o, down = (_gguf_part(linear, with_bias=False) for linear in (attention.o_proj, mlp.down_proj))
+            bias = _qkv_bias(attention, kept)
+        else:
+            qkv, gate_up = (_c_matrix(fused_blocks(parent, names), fused_dense(parent, names))
+                            for parent, names in ((attention, lean_decode.QKV), (mlp, lean_decode.GATE_UP)))
+            o, down = (_c_matrix(_plain_blocks(linear), plain_weight(linear))
+                       for linear in (attention.o_proj, mlp.down_proj))
+            bias = None
+        if any(getattr(attention, name, None) is not None for name in ("q_norm", "k_norm")):
+            return None  # Qwen3's and Gemma 3's norms of q and k: the lean step
         matrices = (qkv, o, gate_up, down)
         norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
         if (None in matrices or any(norm.weight.dtype not in DENSE_DTYPES for norm in norms)
@@ -255,7 +306,7 @@ def _model_layers(model) -> ModelLayers | None:
         norm_weights = [norm.weight.detach().float().contiguous() for norm in norms]  # (hidden,) each: a copy if bf16
         kept += norm_weights
         layers.append(native.DecoderLayer(*(native.pointer(weight, torch.float32, (hidden,)) for weight in norm_weights),
-                                          *matrices))
+                                          *matrices, qkv_bias=bias))
     shape = native.DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
                                 decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
     return ModelLayers(shape, layers, kept)

@@ -41,7 +41,7 @@ from snapkv.base.ownership import private_folder, written_only_by_me
 from snapkv.base.paths import snapkv_home
 
 SOURCES = ("library.c", "blockwise_matmul.c", "dequantize.c", "few_rows.c", "dense_rows.c", "decode_step.c",
-           "window_cut.c", "coded_attention.c", "reference.c")
+           "window_cut.c", "coded_attention.c", "gguf_blocks.c", "reference.c")
 HEADERS = ("kernels.h", "vectors.h", "lanes8_x86.h", "lanes8_plain.h", "lanes16_avx512.h", "lanes16_plain.h",
            "plain_lanes.h", "simd.h", "tiles.h", "hadamard.h")  # part of the digest
 # -ffp-contract=off: a product and a sum written apart stay apart (as in PyTorch), never fused into one FMA
@@ -68,9 +68,13 @@ _pointer, _size, _int, _float = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, c
 
 
 class BlockMatrix(ctypes.Structure):
-    """kernels.h's block_matrix: a projection in 4/8-bit blocks, or plain bf16/fp32 rows (bits 16/32)."""
-    _fields_ = [("bits", _size), ("codes", _pointer), ("scale", _pointer), ("minimum", _pointer),
-                ("outputs", _size), ("inputs", _size)]
+    """kernels.h's block_matrix: a projection in 4/8-bit blocks, plain bf16/fp32 rows (bits 16/32), or a GGUF type's
+    blocks (bits 0); `next` the address of the matrix whose outputs follow (0: none)."""
+
+
+BlockMatrix._fields_ = [("bits", _size), ("codes", _pointer), ("scale", _pointer), ("minimum", _pointer),
+                        ("outputs", _size), ("inputs", _size), ("gguf_type", _size), ("row_bytes", _size),
+                        ("next", _pointer)]
 
 
 class DecoderLayer(ctypes.Structure):
@@ -78,7 +82,7 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", _pointer), ("post_norm", _pointer), ("qkv", BlockMatrix), ("o", BlockMatrix),
                 ("gate_up", BlockMatrix), ("down", BlockMatrix), ("held_keys", _pointer), ("held_values", _pointer),
                 ("held", _size), ("held_bits", _size), ("keys", _pointer), ("values", _pointer), ("capacity", _size),
-                ("filled", _size)]
+                ("filled", _size), ("qkv_bias", _pointer)]
 
 
 class DecoderShape(ctypes.Structure):
@@ -121,11 +125,15 @@ BINDINGS: dict[str, tuple[object, tuple]] = {
     "part_rows": (_int, (_pointer, _size, _size, _size, _pointer, _size, _pointer, _size)),
     "part_columns": (None, (_pointer, _size, _size, _pointer)),
     "half_all_finite": (_int, (_pointer, _pointer, _size)),
+    "gguf_block_form": (_int, (_int, _pointer, _pointer, _pointer)),
+    "gguf_dequantize": (_int, (_int, _pointer, _size, _size, _size, _pointer, _int, _int)),
+    "gguf_rows": (_int, (_int, _pointer, _size, _size, _size, _pointer, _size, _pointer)),
+    "gguf_matmul": (_int, (_pointer, _size, _size, _int, _pointer, _size, _size, _pointer, _int)),
 }
 # the vector kernels with a scalar reference (reference.c): `<name>_generic`, the same arguments
 REFERENCED = ("matmul_4bit", "matmul_8bit", "linear_rows", "linear_rows_blocks", "linear_rows_bf16", "matmul_dense",
               "attend_rows", "attend_coded", "dequantize_rows", "dequantize_positions", "decode_token",
-              "final_logits", "question_before_attention", "question_after_attention")
+              "final_logits", "question_before_attention", "question_after_attention", "gguf_matmul")
 BINDINGS.update({f"{name}_generic": BINDINGS[name] for name in REFERENCED})
 LIMITS = ("snapkv_max_rows", "snapkv_max_attention_head_dim", "snapkv_max_stored_head_dim", "snapkv_max_parts",
           "snapkv_max_decode_head_dim")

@@ -31,10 +31,12 @@
 #include "kernels.h"
 #include "simd.h"
 
-/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T: plain bf16/fp32 rows by snapkv/native/kernels/dense_rows.c;
- * blocks by the block kernel for one row (snapkv/native/kernels/blockwise_matmul.c), by
- * snapkv/native/kernels/few_rows.c's for a question's rows. */
-static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
+/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T for one part of a matrix: plain bf16/fp32 rows by
+ * snapkv/native/kernels/dense_rows.c; blocks by the block kernel for one row (snapkv/native/kernels/blockwise_matmul.c),
+ * by snapkv/native/kernels/few_rows.c's for a question's rows; a GGUF type's blocks by gguf_blocks.c. */
+static int part_products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
+    if (m->bits == 0) return gguf_matmul(x, rows, m->inputs, (int)m->gguf_type, m->codes, m->row_bytes, m->outputs, y,
+                                         threads);
     if (m->bits == 16 || m->bits == 32) return matmul_dense(x, rows, m->inputs, m->codes, m->bits == 16, m->outputs, y,
                                                             threads);
     if (rows == 1 && m->bits == 4)
@@ -43,11 +45,58 @@ static int products(const block_matrix *m, const float *x, int64_t rows, float *
     return linear_rows_blocks(x, rows, m->inputs, (int)m->bits, m->codes, m->scale, m->minimum, m->outputs, y, threads);
 }
 
-/* Whether m multiplies `inputs` values into `outputs`, in a form products() takes. */
+/* All of m's outputs, its parts' one after another (matrix_outputs of them), y (rows, all outputs). */
+static int64_t matrix_outputs(const block_matrix *m) {
+    int64_t total = 0;
+    for (; m; m = (const block_matrix *)m->next) total += m->outputs;
+    return total;
+}
+
+/* y (rows, matrix_outputs(m)) = x (rows, m->inputs) @ W^T, each part into its columns. */
+static int products(const block_matrix *m, const float *x, int64_t rows, float *y, int threads) {
+    if (!m->next) return part_products(m, x, rows, y, threads);
+    const int64_t total = matrix_outputs(m);
+    if (rows == 1) {
+        for (int64_t start = 0; m; start += m->outputs, m = (const block_matrix *)m->next)
+            if (part_products(m, x, 1, y + start, threads)) return -1;
+        return 0;
+    }
+    float *part = malloc(sizeof(float) * (size_t)(rows * total));
+    if (!part) return -1;
+    int status = 0;
+    for (int64_t start = 0; m && status == 0; start += m->outputs, m = (const block_matrix *)m->next) {
+        status = part_products(m, x, rows, part, threads);
+        for (int64_t r = 0; r < rows && status == 0; r++)
+            memcpy(y + r * total + start, part + r * m->outputs, sizeof(float) * (size_t)m->outputs);
+    }
+    free(part);
+    return status;
+}
+
+/* Whether m multiplies `inputs` values into `outputs` (its parts' together), in a form products() takes. */
 static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
-    if (!m->codes || m->inputs != inputs || m->outputs != outputs) return 0;
-    if (m->bits == 16 || m->bits == 32) return inputs % 8 == 0;
-    return ((m->bits == 4 && m->minimum) || m->bits == 8) && m->scale && inputs % 32 == 0;
+    if (matrix_outputs(m) != outputs) return 0;
+    for (; m; m = (const block_matrix *)m->next) {
+        if (!m->codes || m->inputs != inputs || m->outputs < 1) return 0;
+        int64_t elements, bytes;
+        if (m->bits == 0) {
+            if (gguf_block_form((int)m->gguf_type, &elements, &bytes, NULL) || inputs % elements
+                || m->row_bytes < inputs / elements * bytes)
+                return 0;
+        } else if (m->bits == 16 || m->bits == 32) {
+            if (inputs % 8) return 0;
+        } else if (!(((m->bits == 4 && m->minimum) || m->bits == 8) && m->scale && inputs % 32 == 0)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* The layer's q, k, v biases (where it has them) added to rows of its projections, (rows, projected). */
+static void add_qkv_bias(const decoder_layer *layer, float *qkv, int64_t rows, int64_t projected) {
+    if (!layer->qkv_bias) return;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < projected; j++) qkv[r * projected + j] += layer->qkv_bias[j];
 }
 
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
@@ -375,6 +424,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
         decoder_layer *layer = &layers[l];
         rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
         if ((status = products(&layer->qkv, normed, 1, wide, threads))) break;
+        add_qkv_bias(layer, wide, 1, projected);
         float *query = wide, *key = wide + heads * d, *value = key + kv_heads * d;
         for (int64_t h = 0; h < heads; h++) {
             rotate(query + h * d, cos, sin, d);
@@ -398,7 +448,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
  * (n) and the final norm's weight (n) fp32. Returns 0, or -1 (a head of another form or inputs, no memory). */
 int final_logits(const float *hidden, int64_t n, const float *norm, float eps, const block_matrix *head,
                  float *logits, int threads) {
-    if (!fits(head, n, head->outputs)) return -1;
+    if (!fits(head, n, matrix_outputs(head))) return -1;
     float *normed = malloc(sizeof(float) * (size_t)n);
     if (!normed) return -1;
     rms_norm(hidden, norm, n, eps, normed);
@@ -422,6 +472,7 @@ int question_before_attention(const decoder_shape *shape, const decoder_layer *l
     if (!wide) return -1;
     for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
     const int status = products(&layer->qkv, normed, rows, wide, threads);
+    if (status == 0) add_qkv_bias(layer, wide, rows, projected);
     for (int64_t r = 0; r < rows && status == 0; r++) {
         const float *row = wide + r * projected, *row_cos = cos + r * d, *row_sin = sin + r * d;
         for (int64_t h = 0; h < heads; h++) rotate_into(row + h * d, row_cos, row_sin, d, query + (h * rows + r) * d);

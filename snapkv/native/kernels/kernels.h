@@ -26,11 +26,15 @@ int wide_vectors(int request);     /* the 16-lane functions: 1/0 to choose (wher
 
 /* ---- structs (decode_step.c) ---- */
 typedef struct {
-    int64_t bits;          /* 4 or 8: blocks; 16 or 32: plain bf16 or fp32 rows (dense_rows.c) */
-    const void *codes;     /* as blockwise_matmul.c reads them; for 16/32 the weights (outputs, inputs) */
+    int64_t bits;          /* 4 or 8: blocks; 16 or 32: plain bf16 or fp32 rows (dense_rows.c); 0: a GGUF type's blocks */
+    const void *codes;     /* as blockwise_matmul.c reads them; for 16/32 the weights (outputs, inputs); for 0 the
+                              file's rows of blocks, row_bytes apart (gguf_blocks.c) */
     const float *scale;    /* blocks only */
     const float *minimum;  /* 4-bit only */
     int64_t outputs, inputs;
+    int64_t gguf_type, row_bytes;     /* bits 0 only */
+    const void *next;      /* NULL, or the block_matrix whose outputs follow these (q, then k, then v: parts of other
+                              forms stacked), its inputs the same */
 } block_matrix;
 
 typedef struct {
@@ -40,6 +44,7 @@ typedef struct {
     int64_t held, held_bits;              /* its rows; 32: fp32, 16: bf16 */
     float *keys, *values;                 /* (kv_heads, capacity, head_dim): the answer's own rows, fp32 */
     int64_t capacity, filled;
+    const float *qkv_bias;                /* NULL, or ((heads + 2 kv_heads) * head_dim): added to q, k, v (Qwen2) */
 } decoder_layer;
 
 typedef struct {
@@ -110,6 +115,17 @@ int part_rows(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t room,
 void part_columns(const uint8_t *sharp, int64_t heads, int64_t tokens, int64_t *columns);
 int half_all_finite(const uint16_t *const *arrays, const int64_t *counts, int64_t parts);
 
+/* ---- matrices in a GGUF file's own blocks, read where the file is mapped (gguf_blocks.c) ---- */
+enum { GGUF_F32 = 0, GGUF_F16 = 1, GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
+       GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14, GGUF_BF16 = 30 };  /* ggml's type ids, as the file stores them */
+int gguf_block_form(int type, int64_t *elements, int64_t *bytes, int64_t *group);
+int gguf_dequantize(int type, const uint8_t *blocks, int64_t rows, int64_t k, int64_t row_bytes, void *out, int bf16,
+                    int threads);
+int gguf_rows(int type, const uint8_t *blocks, int64_t rows, int64_t k, int64_t row_bytes, const int64_t *ids,
+              int64_t count, float *out);
+int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t *w, int64_t row_bytes, int64_t n,
+                float *y, int threads);
+
 /* ---- scalar references (reference.c): each vector kernel above as plain loops, the oracle the tests compare every
  * build against; the same arguments as the kernel, `threads` ignored; never called by snapkv ---- */
 int matmul_4bit_generic(const float *x, int64_t rows, int64_t k, const uint8_t *codes, const float *scale,
@@ -150,5 +166,7 @@ int attend_coded_generic(const float *query, int64_t kv_heads, int64_t rows, int
                          float *window_sums, int threads);
 int question_after_attention_generic(const decoder_shape *shape, const decoder_layer *layer, int64_t rows,
                                      const float *attended, float *hidden, int threads);
+int gguf_matmul_generic(const float *x, int64_t rows, int64_t k, int type, const uint8_t *w, int64_t row_bytes,
+                        int64_t n, float *y, int threads);
 
 #endif

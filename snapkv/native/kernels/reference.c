@@ -255,23 +255,58 @@ int dequantize_positions_generic(const void *const *part_pointers, const int64_t
 
 /* ---- the decoder layer (decode_step.c), one formula at a time ---- */
 
-/* Weight (out, i) of a decoder's matrix: 4/8-bit blocks, bf16 (16) or fp32 (32) rows. */
+/* Weight (out, i) of a decoder's matrix: 4/8-bit blocks, bf16 (16) or fp32 (32) rows, a GGUF type's blocks (0: the
+ * block holding it dequantized by gguf_dequantize, exact); out counts over the parts stacked by `next`. */
 static float matrix_weight(const block_matrix *m, int64_t out, int64_t i) {
+    while (out >= m->outputs) out -= m->outputs, m = (const block_matrix *)m->next;
+    if (m->bits == 0) {
+        int64_t elements, bytes;
+        float block[256];
+        gguf_block_form((int)m->gguf_type, &elements, &bytes, NULL);
+        gguf_dequantize((int)m->gguf_type, (const uint8_t *)m->codes + out * m->row_bytes + i / elements * bytes, 1,
+                        elements, bytes, block, 0, 1);
+        return block[i % elements];
+    }
     if (m->bits == 32) return ((const float *)m->codes)[out * m->inputs + i];
     if (m->bits == 16) return bf16_to_float(((const uint16_t *)m->codes)[out * m->inputs + i]);
     return block_weight((int)m->bits, m->codes, m->scale, m->minimum, m->inputs, out, i);
 }
 
-static int matrix_fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
-    if (!m->codes || m->inputs != inputs || m->outputs != outputs) return 0;
-    if (m->bits == 16 || m->bits == 32) return inputs % 8 == 0;
-    return ((m->bits == 4 && m->minimum) || m->bits == 8) && m->scale && inputs % 32 == 0;
+static int64_t matrix_outputs(const block_matrix *m) {
+    int64_t total = 0;
+    for (; m; m = (const block_matrix *)m->next) total += m->outputs;
+    return total;
 }
 
-/* y (rows, m->outputs) = x (rows, m->inputs) @ W^T. */
+static int matrix_fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
+    if (matrix_outputs(m) != outputs) return 0;
+    for (; m; m = (const block_matrix *)m->next) {
+        int64_t elements, bytes;
+        if (!m->codes || m->inputs != inputs) return 0;
+        if (m->bits == 0) {
+            if (gguf_block_form((int)m->gguf_type, &elements, &bytes, NULL) || inputs % elements
+                || m->row_bytes < inputs / elements * bytes)
+                return 0;
+        } else if (m->bits == 16 || m->bits == 32) {
+            if (inputs % 8) return 0;
+        } else if (!(((m->bits == 4 && m->minimum) || m->bits == 8) && m->scale && inputs % 32 == 0)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* y (rows, matrix_outputs(m)) = x (rows, m->inputs) @ W^T. */
 static void matrix_product(const block_matrix *m, const float *x, int64_t rows, float *y) {
-    const int64_t n = m->outputs, k = m->inputs;
+    const int64_t n = matrix_outputs(m), k = m->inputs;
     PRODUCT(matrix_weight(m, out, i))
+}
+
+/* The q, k, v biases added, where the layer has them. */
+static void qkv_bias(const decoder_layer *layer, float *qkv, int64_t rows, int64_t projected) {
+    if (layer->qkv_bias)
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t j = 0; j < projected; j++) qkv[r * projected + j] += layer->qkv_bias[j];
 }
 
 /* x (n) -> weight * x / sqrt(mean(x^2) + eps). */
@@ -332,7 +367,7 @@ static const float *cache_row(const decoder_layer *layer, int64_t kv, int64_t t,
 int final_logits_generic(const float *hidden, int64_t n, const float *norm, float eps, const block_matrix *head,
                          float *logits, int threads) {
     (void)threads;
-    if (!matrix_fits(head, n, head->outputs)) return -1;
+    if (!matrix_fits(head, n, matrix_outputs(head))) return -1;
     float *normed = malloc(sizeof(float) * (size_t)n);
     if (!normed) return -1;
     rms_norm(hidden, norm, n, eps, normed);
@@ -362,6 +397,7 @@ int decode_token_generic(const decoder_shape *shape, decoder_layer *layers, int6
         decoder_layer *layer = &layers[l];
         rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
         matrix_product(&layer->qkv, normed, 1, qkv);
+        qkv_bias(layer, qkv, 1, projected);
         for (int64_t h = 0; h < heads; h++) {
             rope(qkv + h * d, cos, sin, d, query + h * d);
             for (int64_t c = 0; c < d; c++) query[h * d + c] *= shape->scaling;
@@ -419,6 +455,7 @@ int question_before_attention_generic(const decoder_shape *shape, const decoder_
     if (!qkv) return -1;
     for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
     matrix_product(&layer->qkv, normed, rows, qkv);
+    qkv_bias(layer, qkv, rows, projected);
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * projected;
         for (int64_t h = 0; h < heads; h++) rope(row + h * d, cos + r * d, sin + r * d, d, query + (h * rows + r) * d);
@@ -513,4 +550,29 @@ int attend_coded_generic(const float *query, int64_t kv_heads, int64_t rows, int
     free(weights);
     free(sums);
     return status;
+}
+
+/* ---- gguf_blocks.c ---- */
+
+/* gguf_matmul's oracle: every weight dequantized as gguf_dequantize gives it, then each output's products summed
+ * one after another in double precision, rounded to fp32 once. */
+int gguf_matmul_generic(const float *x, int64_t rows, int64_t k, int type, const uint8_t *w, int64_t row_bytes,
+                        int64_t n, float *y, int threads) {
+    (void)threads;
+    if (rows < 1 || rows > SNAPKV_MAX_ROWS) return -1;
+    float *weights = (float *)malloc(sizeof(float) * (size_t)k);
+    if (!weights) return -1;
+    for (int64_t out = 0; out < n; out++) {
+        if (gguf_dequantize(type, w + out * row_bytes, 1, k, row_bytes, weights, 0, 1) != 0) {
+            free(weights);
+            return -1;
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            double total = 0.0;
+            for (int64_t i = 0; i < k; i++) total += (double)x[r * k + i] * (double)weights[i];
+            y[r * n + out] = (float)total;
+        }
+    }
+    free(weights);
+    return 0;
 }

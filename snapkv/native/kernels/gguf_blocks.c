@@ -1,0 +1,599 @@
+/* Matrices stored as a GGUF file stores them (snapkv.modeling.gguf_file): each row of `k` weights a run of blocks, in
+ * the block types of ggml (llama.cpp's library), read where the file is mapped, never widened to a copy.
+ *
+ *   type  elements bytes  layout (fp16 = IEEE half)                       one weight
+ *   Q4_0     32     18    d fp16, 16 bytes of nibbles                      d * (q - 8)
+ *   Q4_1     32     20    d, m fp16, 16 bytes of nibbles                   d * q + m
+ *   Q5_0     32     22    d fp16, 4 bytes of 5th bits, 16 of nibbles       d * (q - 16)
+ *   Q5_1     32     24    d, m fp16, 4 bytes of 5th bits, 16 of nibbles    d * q + m
+ *   Q8_0     32     34    d fp16, 32 signed bytes                          d * q
+ *   Q4_K    256    144    d, dmin fp16, 12 bytes of 6-bit scales and      (d * sc) * q - (dmin * m), per 32
+ *                         minimums, 128 bytes of nibbles
+ *   Q5_K    256    176    as Q4_K, then 32 bytes of 5th bits, 128 of nibbles
+ *   Q6_K    256    210    128 bytes of low nibbles, 64 of 2 high bits,    (d * sc) * (q - 32), per 16
+ *                         16 signed scales, d fp16
+ *   F16       1      2    one fp16 weight
+ * (In the 32-element types, byte j holds element j in its low nibble and element j + 16 in its high one.)
+ *
+ * Every block unpacks to codes (small integers, as floats), and per group of 16 or 32 a scale and an offset, with
+ * weight = scale * code + offset computed in fp32 in the very order ggml's dequantize_row_* and gguf-py compute it:
+ * gguf_dequantize gives those weights bit for bit (tests/test_gguf_blocks.py checks each type against gguf-py).
+ * gguf_matmul multiplies a few rows of fp32 activations by the blocks without writing the weights anywhere: per group
+ * scale * (codes . x) + offset * sum(x), summed in fp32 (another order than a product over dequantized weights, so
+ * it agrees within rounding). F32 and BF16 matrices go to dense_rows.c, which reads them as they are. */
+#include "vectors.h"
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "simd.h"
+
+#define MOST_ELEMENTS 256  /* a K-quant super-block */
+#define MOST_GROUPS 16     /* Q6_K: a scale per 16 */
+
+/* The block form of a type: elements per block, bytes per block, elements per group (a scale); 0 for a type these
+ * kernels do not read. */
+int gguf_block_form(int type, int64_t *elements, int64_t *bytes, int64_t *group) {
+    int64_t e = 0, b = 0, g = 0;
+    switch (type) {
+    case GGUF_Q4_0: e = 32, b = 18, g = 32; break;
+    case GGUF_Q4_1: e = 32, b = 20, g = 32; break;
+    case GGUF_Q5_0: e = 32, b = 22, g = 32; break;
+    case GGUF_Q5_1: e = 32, b = 24, g = 32; break;
+    case GGUF_Q8_0: e = 32, b = 34, g = 32; break;
+    case GGUF_Q4_K: e = 256, b = 144, g = 32; break;
+    case GGUF_Q5_K: e = 256, b = 176, g = 32; break;
+    case GGUF_Q6_K: e = 256, b = 210, g = 16; break;
+    case GGUF_F16: e = 32, b = 64, g = 32; break;  /* read 32 at a time: a "block" is 32 halves */
+    default: return -1;
+    }
+    if (elements) *elements = e;
+    if (bytes) *bytes = b;
+    if (group) *group = g;
+    return 0;
+}
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t bits;
+    memcpy(&bits, p, 2);
+    return half_to_float(bits);
+}
+
+/* Q4_K and Q5_K's 6-bit scale and minimum of group j (0..7), as ggml's get_scale_min_k4. */
+static inline void scale_min_k4(int j, const uint8_t *q, uint8_t *scale, uint8_t *minimum) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *minimum = q[j + 4] & 63;
+    } else {
+        *scale = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+        *minimum = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One block of `type` at b -> codes (elements), scale and offset per group. Returns whether there are offsets (a
+ * weight is scale * code + offset; else scale * code, so that -0.0 stays as ggml gives it). */
+static int unpack_block(int type, const uint8_t *b, float *code, float *scale, float *offset) {
+    switch (type) {
+    case GGUF_Q4_0: {
+        const uint8_t *q = b + 2;
+        for (int j = 0; j < 16; j++) {
+            code[j] = (float)((q[j] & 0x0F) - 8);
+            code[j + 16] = (float)((q[j] >> 4) - 8);
+        }
+        scale[0] = half_at(b), offset[0] = 0.0f;
+        return 0;
+    }
+    case GGUF_Q4_1: {
+        const uint8_t *q = b + 4;
+        for (int j = 0; j < 16; j++) {
+            code[j] = (float)(q[j] & 0x0F);
+            code[j + 16] = (float)(q[j] >> 4);
+        }
+        scale[0] = half_at(b), offset[0] = half_at(b + 2);
+        return 1;
+    }
+    case GGUF_Q5_0:
+    case GGUF_Q5_1: {
+        const int with_minimum = type == GGUF_Q5_1;
+        const uint8_t *high = b + (with_minimum ? 4 : 2), *q = high + 4;
+        uint32_t bits;
+        memcpy(&bits, high, 4);
+        const int shift = with_minimum ? 0 : 16;
+        for (int j = 0; j < 16; j++) {
+            code[j] = (float)((int)((q[j] & 0x0F) | (((bits >> j) & 1) << 4)) - shift);
+            code[j + 16] = (float)((int)((q[j] >> 4) | (((bits >> (j + 16)) & 1) << 4)) - shift);
+        }
+        scale[0] = half_at(b), offset[0] = with_minimum ? half_at(b + 2) : 0.0f;
+        return with_minimum;
+    }
+    case GGUF_Q8_0: {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < 32; j++) code[j] = (float)q[j];
+        scale[0] = half_at(b), offset[0] = 0.0f;
+        return 0;
+    }
+    case GGUF_Q4_K:
+    case GGUF_Q5_K: {
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const uint8_t *scales = b + 4;
+        const int five = type == GGUF_Q5_K;
+        const uint8_t *high = b + 16, *q = b + (five ? 48 : 16);
+        for (int pair = 0; pair < 4; pair++) {  /* 64 elements: the low nibbles of 32 bytes, then their high ones */
+            for (int half = 0; half < 2; half++) {
+                const int g = 2 * pair + half;
+                uint8_t sc, m;
+                scale_min_k4(g, scales, &sc, &m);
+                scale[g] = d * (float)sc;
+                offset[g] = -(dmin * (float)m);
+                float *out = code + g * 32;
+                for (int l = 0; l < 32; l++) {
+                    int value = half ? q[l] >> 4 : q[l] & 0x0F;
+                    if (five) value |= ((high[l] >> g) & 1) << 4;
+                    out[l] = (float)value;
+                }
+            }
+            q += 32;
+        }
+        return 1;
+    }
+    case GGUF_Q6_K: {
+        const uint8_t *low = b, *high = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        for (int g = 0; g < 16; g++) scale[g] = d * (float)scales[g], offset[g] = 0.0f;
+        for (int n = 0; n < 2; n++) {  /* 128 elements each */
+            const uint8_t *ql = low + 64 * n, *qh = high + 32 * n;
+            float *out = code + 128 * n;
+            for (int l = 0; l < 32; l++) {
+                out[l] = (float)(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+                out[l + 32] = (float)(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+                out[l + 64] = (float)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+                out[l + 96] = (float)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+            }
+        }
+        return 0;
+    }
+    case GGUF_F16:
+        for (int j = 0; j < 32; j++) code[j] = half_at(b + 2 * j);
+        scale[0] = 1.0f, offset[0] = 0.0f;
+        return 0;
+    }
+    return 0;
+}
+
+/* fp32 -> bf16 bits, rounded to nearest even, as PyTorch rounds (a NaN stays a quiet NaN). */
+static inline uint16_t bf16_bits(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Rows of `type` blocks -> their weights, (rows, k) fp32 (bf16 = 0) or bf16 rounded from them (bf16 = 1). k a
+ * multiple of the type's elements; rows `row_bytes` apart (k / elements * bytes where they follow each other). */
+int gguf_dequantize(int type, const uint8_t *blocks, int64_t rows, int64_t k, int64_t row_bytes, void *out, int bf16,
+                    int threads) {
+    int64_t elements, bytes, group;
+    if (gguf_block_form(type, &elements, &bytes, &group) != 0 || k % elements || row_bytes < k / elements * bytes)
+        return -1;
+    const int64_t per_row = k / elements, groups = elements / group;
+    (void)threads;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS], weights[MOST_ELEMENTS];
+        for (int64_t c = 0; c < per_row; c++) {
+            const int offsets = unpack_block(type, blocks + r * row_bytes + c * bytes, code, scale, offset);
+            for (int64_t g = 0; g < groups; g++)
+                for (int64_t i = g * group; i < (g + 1) * group; i++)
+                    weights[i] = offsets ? scale[g] * code[i] + offset[g] : scale[g] * code[i];
+            const int64_t at = r * k + c * elements;
+            if (bf16) {
+                uint16_t *target = (uint16_t *)out + at;
+                for (int64_t i = 0; i < elements; i++) target[i] = bf16_bits(weights[i]);
+            } else {
+                memcpy((float *)out + at, weights, sizeof(float) * (size_t)elements);
+            }
+        }
+    }
+    return 0;
+}
+
+/* The rows `ids` (count of them, each < rows) of a matrix of `type` blocks, each `row_bytes` long -> (count, k) fp32:
+ * an embedding's lookup, read from the blocks. -1 for an id out of range (nothing written past the ones before). */
+int gguf_rows(int type, const uint8_t *blocks, int64_t rows, int64_t k, int64_t row_bytes, const int64_t *ids,
+              int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) {
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+        if (gguf_dequantize(type, blocks + ids[i] * row_bytes, 1, k, row_bytes, out + i * k, 0, 1) != 0) return -1;
+    }
+    return 0;
+}
+
+/* ---- one row of activations (a decoded token): each group's codes widened straight into FMAs, nothing stored ----
+ * The codes come to floats 8 at a time (i32x8); a group's products with x are summed per lane, times the group's
+ * scale, into the row's accumulator; a constant part of each weight (Q4_1's minimum, the K-quants' minimums, the
+ * -8, -16 and -32 of the signed types) is its group's offset times the group's sum of x, added apart. */
+
+/* 8 bytes (the low 8 of b) widened to floats, and the products with 8 activations added to acc. */
+static inline f32x8 fma8_u8(u8x16 b, const float *x, f32x8 acc) {
+    return f32x8_fma(i32x8_to_floats(i32x8_from_u8(b)), f32x8_load(x), acc);
+}
+
+/* 16 codes given as bytes (0..255) times 16 activations, added to acc. */
+static inline f32x8 fma16_u8(u8x16 b, const float *x, f32x8 acc) {
+    return fma8_u8(u8x16_high_half(b), x + 8, fma8_u8(b, x, acc));
+}
+
+/* 8 codes given as int32 times 8 activations, added to acc. */
+static inline f32x8 fma8_i32(i32x8 codes, const float *x, f32x8 acc) {
+    return f32x8_fma(i32x8_to_floats(codes), f32x8_load(x), acc);
+}
+
+/* Q4_0, Q4_1: nibbles j and j + 16 of 16 bytes. Q4_0's -8 is an offset of -8 d. */
+static float row_dot_q4(const uint8_t *row, int64_t blocks, const float *x, const float *sums, int with_minimum) {
+    f32x8 acc = f32x8_zero();
+    float constant = 0.0f;
+    const int64_t bytes = with_minimum ? 20 : 18;
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * bytes;
+        const u8x16 q = u8x16_load(b + (with_minimum ? 4 : 2));
+        const float *xs = x + c * 32;
+        f32x8 dot = fma16_u8(u8x16_low_nibbles(q), xs, f32x8_zero());
+        dot = fma16_u8(u8x16_high_nibbles(q), xs + 16, dot);
+        const float d = half_at(b);
+        acc = f32x8_fma(f32x8_splat(d), dot, acc);
+        constant += (with_minimum ? half_at(b + 2) : -8.0f * d) * sums[c];
+    }
+    return f32x8_sum(acc) + constant;
+}
+
+/* Q5_0, Q5_1: as Q4_0 and Q4_1 with a fifth bit per element from 32 bits (bit j: element j). */
+static float row_dot_q5(const uint8_t *row, int64_t blocks, const float *x, const float *sums, int with_minimum) {
+    f32x8 acc = f32x8_zero();
+    float constant = 0.0f;
+    const int64_t bytes = with_minimum ? 24 : 22;
+    const i32x8 lanes = i32x8_of(0, 1, 2, 3, 4, 5, 6, 7), one = i32x8_splat(1);
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * bytes, *high = b + (with_minimum ? 4 : 2);
+        uint32_t bits;
+        memcpy(&bits, high, 4);
+        const u8x16 q = u8x16_load(high + 4);
+        const float *xs = x + c * 32;
+        const u8x16 halves[2] = {u8x16_low_nibbles(q), u8x16_high_nibbles(q)};
+        f32x8 dot = f32x8_zero();
+        for (int part = 0; part < 4; part++) {  /* elements 8 part .. 8 part + 7 */
+            const u8x16 nibbles = part & 1 ? u8x16_high_half(halves[part >> 1]) : halves[part >> 1];
+            const i32x8 fifth = i32x8_and(i32x8_shift_right_each(i32x8_splat((int32_t)(bits >> (8 * part))), lanes), one);
+            dot = fma8_i32(i32x8_add(i32x8_from_u8(nibbles), i32x8_shift_left(fifth, 4)), xs + 8 * part, dot);
+        }
+        const float d = half_at(b);
+        acc = f32x8_fma(f32x8_splat(d), dot, acc);
+        constant += (with_minimum ? half_at(b + 2) : -16.0f * d) * sums[c];
+    }
+    return f32x8_sum(acc) + constant;
+}
+
+/* Q8_0: 32 signed bytes. */
+static float row_dot_q8(const uint8_t *row, int64_t blocks, const float *x) {
+    f32x8 acc = f32x8_zero();
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * 34;
+        const float *xs = x + c * 32;
+        const u8x16 first = u8x16_load(b + 2), second = u8x16_load(b + 18);
+        f32x8 dot = f32x8_mul(i32x8_to_floats(i32x8_from_i8(first)), f32x8_load(xs));
+        dot = fma8_i32(i32x8_from_i8(u8x16_high_half(first)), xs + 8, dot);
+        dot = fma8_i32(i32x8_from_i8(second), xs + 16, dot);
+        dot = fma8_i32(i32x8_from_i8(u8x16_high_half(second)), xs + 24, dot);
+        acc = f32x8_fma(f32x8_splat(half_at(b)), dot, acc);
+    }
+    return f32x8_sum(acc);
+}
+
+/* Q4_K, Q5_K: per 64 elements, 32 bytes whose low nibbles are group 2p and high nibbles group 2p + 1 (Q5_K: bit g of
+ * high[l] the fifth bit of element l of group g); each group's 6-bit scale and minimum. */
+static float row_dot_k45(const uint8_t *row, int64_t blocks, const float *x, const float *sums, int five) {
+    f32x8 acc = f32x8_zero();
+    float constant = 0.0f;
+    const int64_t bytes = five ? 176 : 144;
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * bytes, *high = b + 16, *q = b + (five ? 48 : 16);
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const float *xs = x + c * 256;
+        for (int g = 0; g < 8; g++) {
+            uint8_t sc, m;
+            scale_min_k4(g, b + 4, &sc, &m);
+            const uint8_t *bytes32 = q + 32 * (g >> 1);
+            const float *gx = xs + 32 * g;
+            f32x8 dot = f32x8_zero();
+            for (int half = 0; half < 2; half++) {
+                const u8x16 raw = u8x16_load(bytes32 + 16 * half);
+                const u8x16 nibbles = g & 1 ? u8x16_high_nibbles(raw) : u8x16_low_nibbles(raw);
+                if (five) {
+                    const u8x16 h = u8x16_load(high + 16 * half);
+                    for (int part = 0; part < 2; part++) {
+                        const i32x8 fifth = i32x8_and(i32x8_shift_right(i32x8_from_u8(part ? u8x16_high_half(h) : h), g),
+                                                      i32x8_splat(1));
+                        const i32x8 codes = i32x8_add(i32x8_from_u8(part ? u8x16_high_half(nibbles) : nibbles),
+                                                      i32x8_shift_left(fifth, 4));
+                        dot = fma8_i32(codes, gx + 16 * half + 8 * part, dot);
+                    }
+                } else {
+                    dot = fma16_u8(nibbles, gx + 16 * half, dot);
+                }
+            }
+            acc = f32x8_fma(f32x8_splat(d * (float)sc), dot, acc);
+            constant -= dmin * (float)m * sums[c * 8 + g];
+        }
+    }
+    return f32x8_sum(acc) + constant;
+}
+
+/* Q6_K: per 128 elements, 64 bytes of low nibbles and 32 of 2-bit pairs; a signed scale per 16; codes minus 32. */
+static float row_dot_q6k(const uint8_t *row, int64_t blocks, const float *x, const float *sums) {
+    f32x8 acc = f32x8_zero();
+    float constant = 0.0f;
+    const i32x8 three = i32x8_splat(3);
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * 210;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        const float *xs = x + c * 256;
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+            for (int quarter = 0; quarter < 4; quarter++) {  /* elements 32 quarter .. + 31 of these 128 */
+                const uint8_t *low = ql + (quarter & 1 ? 32 : 0);
+                for (int half = 0; half < 2; half++) {  /* a group of 16: one scale */
+                    const int g = 8 * n + 2 * quarter + half;
+                    const u8x16 raw = u8x16_load(low + 16 * half), pairs = u8x16_load(qh + 16 * half);
+                    const u8x16 nibbles = quarter >= 2 ? u8x16_high_nibbles(raw) : u8x16_low_nibbles(raw);
+                    const float *gx = xs + 128 * n + 32 * quarter + 16 * half;
+                    f32x8 dot = f32x8_zero();
+                    for (int part = 0; part < 2; part++) {
+                        const i32x8 top = i32x8_and(i32x8_shift_right(i32x8_from_u8(part ? u8x16_high_half(pairs) : pairs),
+                                                                      2 * quarter), three);
+                        const i32x8 codes = i32x8_add(i32x8_from_u8(part ? u8x16_high_half(nibbles) : nibbles),
+                                                      i32x8_shift_left(top, 4));
+                        dot = fma8_i32(codes, gx + 8 * part, dot);
+                    }
+                    const float scale = d * (float)scales[g];
+                    acc = f32x8_fma(f32x8_splat(scale), dot, acc);
+                    constant -= 32.0f * scale * sums[c * 16 + g];
+                }
+            }
+        }
+    }
+    return f32x8_sum(acc) + constant;
+}
+
+/* ---- the same one-row products, 16 floats a vector (AVX-512 in the avx512 build: wide_vectors()): 16 bytes widened
+ * once give 16 codes, or 32 where each byte holds two nibbles ---- */
+
+WIDE static inline f32x16 fma16_low4(i32x16 bytes, const float *x, f32x16 acc) {
+    return f32x16_fma(f32x16_of_low4(bytes), f32x16_load(x), acc);
+}
+
+WIDE static float row_dot_q4_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
+                                  int with_minimum) {
+    f32x16 acc = f32x16_zero();
+    float constant = 0.0f;
+    const int64_t bytes = with_minimum ? 20 : 18;
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * bytes;
+        const i32x16 q = i32x16_from_u8(u8x16_load(b + (with_minimum ? 4 : 2)));
+        const float *xs = x + c * 32;
+        const f32x16 dot = fma16_low4(i32x16_shift_right(q, 4), xs + 16, f32x16_mul(f32x16_of_low4(q), f32x16_load(xs)));
+        const float d = half_at(b);
+        acc = f32x16_fma(f32x16_splat(d), dot, acc);
+        constant += (with_minimum ? half_at(b + 2) : -8.0f * d) * sums[c];
+    }
+    return f32x16_sum(acc) + constant;
+}
+
+WIDE static float row_dot_q5_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
+                                  int with_minimum) {
+    f32x16 acc = f32x16_zero();
+    float constant = 0.0f;
+    const int64_t bytes = with_minimum ? 24 : 22;
+    const i32x16 lanes = i32x16_of(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), one = i32x16_splat(1);
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * bytes, *high = b + (with_minimum ? 4 : 2);
+        uint32_t bits;
+        memcpy(&bits, high, 4);
+        const i32x16 q = i32x16_from_u8(u8x16_load(high + 4));
+        const float *xs = x + c * 32;
+        const i32x16 fifth_low = i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)bits), lanes), one);
+        const i32x16 fifth_high = i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)(bits >> 16)), lanes), one);
+        const i32x16 low = i32x16_add(i32x16_and(q, i32x16_splat(15)), i32x16_shift_left(fifth_low, 4));
+        const i32x16 upper = i32x16_add(i32x16_shift_right(q, 4), i32x16_shift_left(fifth_high, 4));
+        f32x16 dot = f32x16_mul(i32x16_to_floats(low), f32x16_load(xs));
+        dot = f32x16_fma(i32x16_to_floats(upper), f32x16_load(xs + 16), dot);
+        const float d = half_at(b);
+        acc = f32x16_fma(f32x16_splat(d), dot, acc);
+        constant += (with_minimum ? half_at(b + 2) : -16.0f * d) * sums[c];
+    }
+    return f32x16_sum(acc) + constant;
+}
+
+WIDE static float row_dot_q8_wide(const uint8_t *row, int64_t blocks, const float *x) {
+    f32x16 chains[2] = {f32x16_zero(), f32x16_zero()};  /* even blocks and odd */
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * 34;
+        const float *xs = x + c * 32;
+        f32x16 dot = f32x16_mul(f32x16_from_i8(u8x16_load(b + 2)), f32x16_load(xs));
+        dot = f32x16_fma(f32x16_from_i8(u8x16_load(b + 18)), f32x16_load(xs + 16), dot);
+        chains[c & 1] = f32x16_fma(f32x16_splat(half_at(b)), dot, chains[c & 1]);
+    }
+    return f32x16_sum(f32x16_add(chains[0], chains[1]));
+}
+
+WIDE static float row_dot_k45_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums, int five) {
+    f32x16 acc = f32x16_zero(), odd = f32x16_zero();  /* two chains of FMAs: even groups and odd */
+    float constant = 0.0f;
+    const int64_t bytes = five ? 176 : 144;
+    const i32x16 one = i32x16_splat(1);
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * bytes, *high = b + 16, *q = b + (five ? 48 : 16);
+        const float d = half_at(b), dmin = half_at(b + 2);
+        const float *xs = x + c * 256;
+        i32x16 fifth[2];
+        if (five) fifth[0] = i32x16_from_u8(u8x16_load(high)), fifth[1] = i32x16_from_u8(u8x16_load(high + 16));
+        for (int pair = 0; pair < 4; pair++) {  /* groups 2 pair (low nibbles) and 2 pair + 1 (high) */
+            const i32x16 first = i32x16_from_u8(u8x16_load(q + 32 * pair)),
+                         second = i32x16_from_u8(u8x16_load(q + 32 * pair + 16));
+            const float *gx = xs + 64 * pair;
+            f32x16 low, upper;
+            if (five) {
+                const int g = 2 * pair;
+                const i32x16 f0 = i32x16_shift_left(i32x16_and(i32x16_shift_right(fifth[0], g), one), 4),
+                             f1 = i32x16_shift_left(i32x16_and(i32x16_shift_right(fifth[1], g), one), 4),
+                             h0 = i32x16_shift_left(i32x16_and(i32x16_shift_right(fifth[0], g + 1), one), 4),
+                             h1 = i32x16_shift_left(i32x16_and(i32x16_shift_right(fifth[1], g + 1), one), 4);
+                const i32x16 nibble = i32x16_splat(15);
+                low = f32x16_mul(i32x16_to_floats(i32x16_add(i32x16_and(first, nibble), f0)), f32x16_load(gx));
+                low = f32x16_fma(i32x16_to_floats(i32x16_add(i32x16_and(second, nibble), f1)), f32x16_load(gx + 16), low);
+                upper = f32x16_mul(i32x16_to_floats(i32x16_add(i32x16_shift_right(first, 4), h0)), f32x16_load(gx + 32));
+                upper = f32x16_fma(i32x16_to_floats(i32x16_add(i32x16_shift_right(second, 4), h1)),
+                                   f32x16_load(gx + 48), upper);
+            } else {
+                low = fma16_low4(second, gx + 16, f32x16_mul(f32x16_of_low4(first), f32x16_load(gx)));
+                upper = fma16_low4(i32x16_shift_right(second, 4), gx + 48,
+                                   f32x16_mul(f32x16_of_low4(i32x16_shift_right(first, 4)), f32x16_load(gx + 32)));
+            }
+            uint8_t sc, m, sc_next, m_next;
+            scale_min_k4(2 * pair, b + 4, &sc, &m);
+            scale_min_k4(2 * pair + 1, b + 4, &sc_next, &m_next);
+            acc = f32x16_fma(f32x16_splat(d * (float)sc), low, acc);
+            odd = f32x16_fma(f32x16_splat(d * (float)sc_next), upper, odd);
+            constant -= dmin * (float)m * sums[c * 8 + 2 * pair] + dmin * (float)m_next * sums[c * 8 + 2 * pair + 1];
+        }
+    }
+    return f32x16_sum(f32x16_add(acc, odd)) + constant;
+}
+
+WIDE static float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums) {
+    f32x16 acc = f32x16_zero(), odd = f32x16_zero();  /* two chains of FMAs */
+    float constant = 0.0f;
+    const i32x16 three = i32x16_splat(3), nibble = i32x16_splat(15);
+    for (int64_t c = 0; c < blocks; c++) {
+        const uint8_t *b = row + c * 210;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const float d = half_at(b + 208);
+        const float *xs = x + c * 256;
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+            for (int half = 0; half < 2; half++) {  /* l in 16 half .. 16 half + 15 */
+                const i32x16 pairs = i32x16_from_u8(u8x16_load(qh + 16 * half));
+                const i32x16 first = i32x16_from_u8(u8x16_load(ql + 16 * half)),
+                             second = i32x16_from_u8(u8x16_load(ql + 32 + 16 * half));
+                const i32x16 codes[4] = {
+                    i32x16_add(i32x16_and(first, nibble), i32x16_shift_left(i32x16_and(pairs, three), 4)),
+                    i32x16_add(i32x16_and(second, nibble), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 2), three), 4)),
+                    i32x16_add(i32x16_shift_right(first, 4), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 4), three), 4)),
+                    i32x16_add(i32x16_shift_right(second, 4), i32x16_shift_left(i32x16_shift_right(pairs, 6), 4)),
+                };
+                for (int quarter = 0; quarter < 4; quarter++) {
+                    const int g = 8 * n + 2 * quarter + half;
+                    const float scale = d * (float)scales[g];
+                    const f32x16 dot = f32x16_mul(i32x16_to_floats(codes[quarter]),
+                                                  f32x16_load(xs + 128 * n + 32 * quarter + 16 * half));
+                    if (quarter & 1) odd = f32x16_fma(f32x16_splat(scale), dot, odd);
+                    else acc = f32x16_fma(f32x16_splat(scale), dot, acc);
+                    constant -= 32.0f * scale * sums[c * 16 + g];
+                }
+            }
+        }
+    }
+    return f32x16_sum(f32x16_add(acc, odd)) + constant;
+}
+
+/* One output's row of blocks times x (k), the groups' sums of x given; -1 where there is no one-row form. */
+static int row_dot(int type, const uint8_t *row, int64_t k, const float *x, const float *sums, float *out) {
+    if (wide_vectors(-1)) {
+        switch (type) {
+        case GGUF_Q4_0: *out = row_dot_q4_wide(row, k / 32, x, sums, 0); return 0;
+        case GGUF_Q4_1: *out = row_dot_q4_wide(row, k / 32, x, sums, 1); return 0;
+        case GGUF_Q5_0: *out = row_dot_q5_wide(row, k / 32, x, sums, 0); return 0;
+        case GGUF_Q5_1: *out = row_dot_q5_wide(row, k / 32, x, sums, 1); return 0;
+        case GGUF_Q8_0: *out = row_dot_q8_wide(row, k / 32, x); return 0;
+        case GGUF_Q4_K: *out = row_dot_k45_wide(row, k / 256, x, sums, 0); return 0;
+        case GGUF_Q5_K: *out = row_dot_k45_wide(row, k / 256, x, sums, 1); return 0;
+        case GGUF_Q6_K: *out = row_dot_q6k_wide(row, k / 256, x, sums); return 0;
+        }
+    }
+    switch (type) {
+    case GGUF_Q4_0: *out = row_dot_q4(row, k / 32, x, sums, 0); return 0;
+    case GGUF_Q4_1: *out = row_dot_q4(row, k / 32, x, sums, 1); return 0;
+    case GGUF_Q5_0: *out = row_dot_q5(row, k / 32, x, sums, 0); return 0;
+    case GGUF_Q5_1: *out = row_dot_q5(row, k / 32, x, sums, 1); return 0;
+    case GGUF_Q8_0: *out = row_dot_q8(row, k / 32, x); return 0;
+    case GGUF_Q4_K: *out = row_dot_k45(row, k / 256, x, sums, 0); return 0;
+    case GGUF_Q5_K: *out = row_dot_k45(row, k / 256, x, sums, 1); return 0;
+    case GGUF_Q6_K: *out = row_dot_q6k(row, k / 256, x, sums); return 0;
+    }
+    return -1;
+}
+
+/* y (rows, n) = x (rows, k) @ W^T, W (n, k) in `type` blocks, each output's row `row_bytes` long; rows at most
+ * SNAPKV_MAX_ROWS. Per output, per block: its codes unpacked once, then for each row the codes' products with the
+ * row's activations in 8-lane FMAs, times the group's scale, into one vector a row; the offsets times the groups'
+ * sums of x (taken once per call) summed apart. Outputs spread over `threads`. */
+int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t *w, int64_t row_bytes, int64_t n,
+                float *y, int threads) {
+    int64_t elements, bytes, group;
+    if (rows < 1 || rows > SNAPKV_MAX_ROWS || gguf_block_form(type, &elements, &bytes, &group) != 0 || k % elements
+        || row_bytes < k / elements * bytes)
+        return -1;
+    const int64_t per_row = k / elements, groups = elements / group, all_groups = k / group;
+    float *sums = (float *)malloc(sizeof(float) * (size_t)(rows * all_groups));  /* (rows, k / group) */
+    if (!sums) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < all_groups; g++) {
+            float total = 0.0f;
+            for (int64_t i = 0; i < group; i++) total += x[r * k + g * group + i];
+            sums[r * all_groups + g] = total;
+        }
+    float probe;
+    if (rows == 1 && row_dot(type, w, 0, x, sums, &probe) == 0) {  /* a type with a one-row form */
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t out = 0; out < n; out++) {
+            const uint8_t *row = w + out * row_bytes;
+            if (out + 1 < n) prefetch_bytes((const char *)(row + row_bytes), row_bytes);
+            row_dot(type, row, k, x, sums, y + out);
+        }
+        free(sums);
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS];
+        f32x8 products[SNAPKV_MAX_ROWS];
+        float offsets_sum[SNAPKV_MAX_ROWS];
+        for (int64_t r = 0; r < rows; r++) products[r] = f32x8_zero(), offsets_sum[r] = 0.0f;
+        const uint8_t *row = w + out * row_bytes;
+        if (out + 1 < n) prefetch_bytes((const char *)(row + row_bytes), row_bytes);
+        for (int64_t c = 0; c < per_row; c++) {
+            const int offsets = unpack_block(type, row + c * bytes, code, scale, offset);
+            for (int64_t r = 0; r < rows; r++) {
+                const float *xs = x + r * k + c * elements;
+                f32x8 acc = products[r];
+                for (int64_t g = 0; g < groups; g++) {
+                    const float *cs = code + g * group, *gx = xs + g * group;
+                    f32x8 dot = f32x8_mul(f32x8_load(cs), f32x8_load(gx));
+                    for (int64_t i = 8; i < group; i += 8) dot = f32x8_fma(f32x8_load(cs + i), f32x8_load(gx + i), dot);
+                    acc = f32x8_fma(f32x8_splat(scale[g]), dot, acc);
+                }
+                products[r] = acc;
+                if (offsets) {
+                    const float *gs = sums + r * all_groups + c * groups;
+                    float share = 0.0f;
+                    for (int64_t g = 0; g < groups; g++) share += offset[g] * gs[g];
+                    offsets_sum[r] += share;
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = f32x8_sum(products[r]) + offsets_sum[r];
+    }
+    free(sums);
+    return 0;
+}
