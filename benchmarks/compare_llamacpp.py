@@ -14,6 +14,7 @@ ids snapkv answers, up to the same 64 tokens; each type's answers compared with 
 
     python3 -m venv /tmp/llama-venv && /tmp/llama-venv/bin/pip install llama-cpp-python
     .venv/bin/python benchmarks/compare_llamacpp.py --llama-python /tmp/llama-venv/bin/python --tokens 7k
+    .venv/bin/python benchmarks/compare_llamacpp.py --llama-python /tmp/llama-venv/bin/python -m model.gguf --tokens 8k
     .venv/bin/python benchmarks/compare_llamacpp.py --llama-python /tmp/llama-venv/bin/python --kv-types f16,q8_0,q4_0
 """
 
@@ -24,6 +25,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes, since its program started (VmHWM: unlike getrusage's maximum,
+    not carried over from the process that started it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def llama_side(args) -> None:
@@ -51,6 +61,7 @@ def llama_side(args) -> None:
         tokens.append(token)
     ended = time.perf_counter()
     Path(args.out).write_text(json.dumps({
+        "peak_rss_bytes": peak_rss(),
         "prefill_seconds": prefilled - started, "ttft_seconds": first - started,
         "decode_ms_per_token": 1000 * (ended - first) / (args.decode_tokens - 1), "tokens": tokens}))
 
@@ -119,7 +130,7 @@ def kv_types_fidelity(args) -> None:
         ids_file.write_text(json.dumps(work))
         started = time.perf_counter()
         subprocess.run([args.llama_python, __file__, "--side", "llama-answers", "--ids", str(ids_file),
-                        "--gguf", str(embedded_gguf_path()), "--out", str(out_file), "--threads", str(args.threads)],
+                        "--gguf", gguf, "--out", str(out_file), "--threads", str(args.threads)],
                        check=True)
         seconds = time.perf_counter() - started
         answers = json.loads(out_file.read_text())
@@ -151,6 +162,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-python", help="python of the environment that has llama-cpp-python")
     parser.add_argument("--tokens", default="7k")
+    parser.add_argument("-m", "--model", help="a GGUF file both run (default: the embedded model's)")
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
@@ -192,7 +204,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     length = parse_size(args.tokens, name="--tokens")
-    loaded = load_model()
+    loaded = load_model(args.model)
+    gguf = args.model or str(embedded_gguf_path())
     result = run_bench(loaded, [length], [args.budget], decode_tokens=args.decode_tokens, repeats=3,
                        followup=False, allow_extrapolation=args.allow_extrapolation,
                        on_progress=lambda text: print(text, file=sys.stderr, flush=True))
@@ -206,12 +219,16 @@ def main() -> None:
         ids_file, out_file = Path(folder) / "ids.json", Path(folder) / "llama.json"
         ids_file.write_text(json.dumps(ids))
         subprocess.run([args.llama_python, __file__, "--side", "llama", "--ids", str(ids_file),
-                        "--gguf", str(embedded_gguf_path()), "--out", str(out_file),
+                        "--gguf", gguf, "--out", str(out_file),
                         "--decode-tokens", str(args.decode_tokens), "--threads", str(args.threads)], check=True)
         theirs = json.loads(out_file.read_text())
+    from snapkv.engine.models import cpu_description
+
     answer = loaded.tokenizer.decode(theirs["tokens"])
     print(f"{loaded.name}, snapkv in {loaded.precision}, llama.cpp on the GGUF as shipped; "
-          f"{args.threads} threads; read bandwidth {result.read_bandwidth / 1e9:.1f} GB/s")
+          f"{args.threads} threads; read bandwidth {result.read_bandwidth / 1e9:.1f} GB/s; {cpu_description()}")
+    print(f"peak RSS: snapkv {peak_rss() / 2**30:.2f} GiB (its whole bench), "
+          f"llama.cpp {theirs['peak_rss_bytes'] / 2**30:.2f} GiB; the file {Path(gguf).stat().st_size / 2**30:.2f} GiB")
     print(f"{'engine':<28}{'tokens':>7}{'prefill s':>11}{'decode ms/tok':>15}{'floor ms':>10}{'needle':>8}")
     for row in result.rows:
         name = "snapkv full cache" if row.method == "full" else f"snapkv SnapKV {row.budget}"

@@ -10,7 +10,7 @@ import typer
 from snapkv.compression.config import check_runtime_settings
 from snapkv.base.errors import EXIT_CODES, OutOfMemoryError, SnapKVError, StorageError
 
-from . import ask, bench, cache, compress, evaluate, info, local_client, local_server, logs, models, repl, serve
+from . import ask, bench, cache, compress, evaluate, info, local_client, local_server, logs, models, pull, repl, serve
 from .serve_ray import ray_address_optional
 from .usage import PlainCommand
 
@@ -35,6 +35,7 @@ app.command(name="info", cls=PlainCommand)(info.info)
 app.command(name="bench", cls=PlainCommand)(bench.bench)
 app.command(name="serve", cls=PlainCommand)(serve.serve)
 app.command(name="models", cls=PlainCommand)(models.models)
+app.command(name="pull", cls=PlainCommand)(pull.pull)
 app.add_typer(cache.app, name="cache")
 app.add_typer(logs.app, name="logs")
 app.add_typer(evaluate.app, name="eval")

@@ -77,6 +77,9 @@ def bench(
     tokenizer: Optional[Path] = typer.Option(
         None, help="With --random-weights: a folder of tokenizer files for the prompts (default: the embedded "
                    "model's)."),
+    weight_blocks: Optional[str] = typer.Option(
+        None, help="With --random-weights: the weights as random blocks of this GGUF type (Q4_K, Q6_K, Q8_0, ...), "
+                   "read as a GGUF file's are: the speed and memory of that shape in such a file (CPU only)."),
     settings_given: dict = None,  # the settings options (snapkv_cli.options.settings_options) but the budget
     decode_tokens: int = typer.Option(32, min=2, help="Tokens decoded to time decode speed."),
     repeats: int = typer.Option(3, min=1, help="Answers timed per method, in turn; the medians are reported."),
@@ -105,10 +108,14 @@ def bench(
     budgets = parse_sizes(budget, name="--budget")
     settings = settings_from(budgets[0], **settings_given)
     err = stderr_console()
+    if weight_blocks is not None and random_weights is None:
+        raise typer.BadParameter("--weight-blocks goes with --random-weights (a real model's blocks are its file's)",
+                                 param_hint="--weight-blocks")
     if random_weights is not None:
         with working(err, "Building a random-weights model..."):
             loaded = random_weights_model(str(random_weights), device=device, dtype=dtype,
-                                          tokenizer=str(tokenizer) if tokenizer else None)
+                                          tokenizer=str(tokenizer) if tokenizer else None,
+                                          weight_blocks=weight_blocks)
         err.print("note: random weights: answers are meaningless; speed and memory are real", markup=False)
     else:
         loaded, _ = load_with_status(err, model, device, dtype, device_map)

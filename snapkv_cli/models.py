@@ -6,7 +6,8 @@ import typer
 
 
 def models(as_json: bool = typer.Option(False, "--json", help="Print them as one JSON object.")) -> None:
-    """List the models that can be used here: the embedded one, the local Hugging Face cache, converted GGUFs.
+    """List the models that can be used here: the embedded one, GGUF files in the snapkv home, the local Hugging Face
+    cache, converted GGUFs.
 
     Pass a name to --model (or SNAPKV_MODEL); a model folder or a .gguf file anywhere works too.
     """

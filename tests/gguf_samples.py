@@ -10,10 +10,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, quants
 
 from snapkv.modeling.gguf_file import GGUFFile
+from snapkv.modeling.gguf_weights import SCALE_FIELDS
 
-# where each type keeps its fp16 scales (and minimums) in a block: set to small finite values in random blocks
-HALF_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+HALF_FIELDS = SCALE_FIELDS  # where each type keeps its fp16 scales: set to small finite values in random blocks
 BLOCK_TYPES = tuple(HALF_FIELDS)
 QUANTIZABLE = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32")  # gguf-py's writer quantizes these
 

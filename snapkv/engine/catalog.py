@@ -1,5 +1,5 @@
-"""The models that can be used here, found on disk only: the embedded one, the local Hugging Face cache and
-GGUF files converted before. No network is involved."""
+"""The models that can be used here, found on disk only: the embedded one, GGUF files installed in the snapkv home,
+the local Hugging Face cache and GGUF files converted before. No network is involved."""
 
 import json
 from dataclasses import dataclass
@@ -14,7 +14,7 @@ from snapkv.engine.conversion import EMBEDDED_NAME, _gguf_conversion_dir, embedd
 @dataclass(frozen=True)
 class ModelEntry:
     name: str             # what to pass to --model ("" for the default)
-    kind: str             # "embedded", "hugging face cache", "converted gguf"
+    kind: str             # "embedded", "gguf file", "hugging face cache", "converted gguf"
     path: str
     size_bytes: int
     context: int | None   # positions the model was trained for
@@ -68,10 +68,38 @@ def _hugging_face_cache() -> list[ModelEntry]:
     return found
 
 
+def installed_gguf(name: str) -> Path | None:
+    """The GGUF file installed in the snapkv home under this name (`<home>/models/<name>.gguf`: what
+    scripts/registry_models.py installs, or a file a user put there), or None."""
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        return None
+    path = models_dir() / f"{name}.gguf"
+    return path if path.is_file() else None
+
+
+def _gguf_files() -> list[ModelEntry]:
+    """GGUF files installed in the snapkv home, read in their own blocks (their metadata read, nothing converted)."""
+    from snapkv.base.errors import SnapKVError
+    from snapkv.modeling.gguf_file import GGUFFile
+
+    found = []
+    for path in sorted(models_dir().glob("*.gguf")) if models_dir().is_dir() else []:
+        try:
+            metadata = GGUFFile(path).metadata
+        except SnapKVError:  # damaged: listed, so that the user sees it, with no family
+            metadata = {}
+        architecture = metadata.get("general.architecture")
+        found.append(ModelEntry(path.stem, "gguf file", str(path), path.stat().st_size,
+                                metadata.get(f"{architecture}.context_length"), architecture))
+    return found
+
+
 def _converted() -> list[ModelEntry]:
     embedded = {str(_gguf_conversion_dir(Path(entry.path))) for entry in _embedded()}
     found = []
     for folder in sorted(models_dir().glob("*")) if models_dir().is_dir() else []:
+        if not folder.is_dir() or folder.name.endswith("-config"):  # a GGUF's config and tokenizer, not a model
+            continue
         config = _config(folder)
         if config and str(folder) not in embedded:
             found.append(ModelEntry(str(folder), "converted gguf", str(folder), _size(folder),
@@ -81,7 +109,7 @@ def _converted() -> list[ModelEntry]:
 
 def available_models() -> list[ModelEntry]:
     """Every model snapkv can load here, the default first."""
-    return _embedded() + _hugging_face_cache() + _converted()
+    return _embedded() + _gguf_files() + _hugging_face_cache() + _converted()
 
 
 EMBEDDED = EMBEDDED_NAME

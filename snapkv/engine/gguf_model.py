@@ -21,7 +21,7 @@ import torch
 from snapkv.base.errors import ModelFileError, ModelNotFoundError, SnapKVError, UnsupportedModelError
 from snapkv.base.paths import models_dir
 from snapkv.modeling.gguf_file import COMPUTED_TYPES, GGUFFile
-from snapkv.modeling.gguf_weights import GGUFEmbedding, GGUFLinear, GGUFMatrix
+from snapkv.modeling.gguf_weights import GGUFEmbedding, GGUFLinear, GGUFMatrix, random_matrix
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values read; Mistral files say llama
 PERMUTED_QK = ("llama",)  # llama.cpp's converter interleaved the rotary halves of Q and K rows for these
@@ -203,3 +203,33 @@ def _rebuild_buffers(model: torch.nn.Module) -> None:
                 module, (GGUFLinear, GGUFEmbedding)):
             rebuilt = type(module)(config=model.config)
             _set(model, path, rebuilt)
+
+
+def random_blocks_model(config, attn_implementation: str, type_name: str, seed: int = 0) -> torch.nn.Module:
+    """A model of `config`'s shape whose projections, embeddings and head are random blocks of `type_name` in memory
+    (snapkv.modeling.gguf_weights.random_matrix), its norms ones and biases zeros: the speed and memory of a GGUF
+    file of that shape and type, with no file (answers meaningless). ValueError for a type without blocks."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+    generator = torch.Generator().manual_seed(seed)
+    embedding = model.get_input_embeddings()
+    table = random_matrix(type_name, embedding.num_embeddings, embedding.embedding_dim, generator)
+    tied = getattr(config, "tie_word_embeddings", False)
+    for path, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear and module is not model.get_output_embeddings():
+            bias = torch.zeros(module.out_features) if module.bias is not None else None
+            _set(model, path, GGUFLinear(random_matrix(type_name, module.out_features, module.in_features, generator),
+                                         bias))
+    head = model.get_output_embeddings()
+    model.lm_head = GGUFLinear(table if tied else random_matrix(type_name, head.out_features, head.in_features,
+                                                                 generator))
+    model.set_input_embeddings(GGUFEmbedding(table))
+    for path, parameter in list(model.named_parameters()):
+        if parameter.is_meta:  # norms and biases
+            parent_path, _, name = path.rpartition(".")
+            filled = torch.zeros(parameter.shape) if name == "bias" else torch.ones(parameter.shape)
+            setattr(model.get_submodule(parent_path), name, torch.nn.Parameter(filled, requires_grad=False))
+    _rebuild_buffers(model)
+    return model.eval()

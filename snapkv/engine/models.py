@@ -120,6 +120,11 @@ def resolve_model_source(spec: str | None, on_convert: Callable[[int, int], None
         return path.name, str(path)
     if path.exists():
         raise ModelNotFoundError(f"{spec} is a file but not a .gguf model; pass a .gguf file, a model folder or a Hub id")
+    from snapkv.engine.catalog import installed_gguf
+
+    installed = installed_gguf(spec)
+    if installed is not None:  # a GGUF in the snapkv home, by its name (`snapkv models` lists them)
+        return spec, str(installed)
     return spec, spec
 
 
@@ -327,15 +332,17 @@ def _converted_here(source: str) -> bool:
 
 
 def random_weights_model(config_file: str, device: str = "auto", dtype: str = "auto",
-                         tokenizer: str | None = None) -> LoadedModel:
+                         tokenizer: str | None = None, weight_blocks: str | None = None) -> LoadedModel:
     """A model of a real shape (a config.json) with random weights, for speed and memory only.
 
     tokenizer: a folder with tokenizer files to make the prompts; default the embedded model's. Answers
     are meaningless. Refused before any allocation when the weights alone would not fit in free memory.
+    weight_blocks: a GGUF block type (Q4_K, Q6_K, Q8_0, ...): the weights random blocks of that type, read as a GGUF
+    file's are (CPU only), so that a shape's speed and memory in a Q4_K_M file are measured with no file.
     """
     import json
 
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(config_file).expanduser()
     try:
@@ -344,6 +351,8 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
     except (OSError, ValueError, KeyError) as error:
         raise ModelNotFoundError(f"{config_file}: not a readable model config ({error})") from error
     torch_device = pick_device(device)
+    if weight_blocks is not None:
+        return _random_blocks_model(config, path.stem, torch_device, dtype, tokenizer, weight_blocks)
     torch_dtype = pick_dtype(dtype, torch_device)
     with torch.device("meta"):
         parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -362,11 +371,47 @@ def random_weights_model(config_file: str, device: str = "auto", dtype: str = "a
     model.eval()
     if torch_device.type == "cpu":
         _plain_weights(model)
+    return LoadedModel(model, _tokenizer_for(tokenizer), f"{path.stem} (random weights)", torch_device, torch_dtype)
+
+
+def _tokenizer_for(tokenizer: str | None):
+    from transformers import AutoTokenizer
+
     try:
-        tokens = AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1], local_files_only=True)
+        return AutoTokenizer.from_pretrained(tokenizer or resolve_model_source(None)[1], local_files_only=True)
     except OSError as error:
         raise ModelNotFoundError(f"tokenizer {tokenizer!r}: not a folder of tokenizer files ({error})") from error
-    return LoadedModel(model, tokens, f"{path.stem} (random weights)", torch_device, torch_dtype)
+
+
+def _random_blocks_model(config, stem: str, device: torch.device, dtype: str, tokenizer: str | None,
+                         type_name: str) -> LoadedModel:
+    """random_weights_model's weights as random blocks of a GGUF type (snapkv.engine.gguf_model.random_blocks_model),
+    refused before any allocation where they would not fit in free memory."""
+    from snapkv.engine.gguf_model import random_blocks_model
+    from snapkv.modeling.gguf_file import TENSOR_TYPES
+    from snapkv.modeling.gguf_weights import SCALE_FIELDS
+
+    if device.type != "cpu":
+        raise ConfigError("--weight-blocks: blocks of a GGUF type run on the CPU")
+    if type_name not in SCALE_FIELDS:
+        raise ConfigError(f"--weight-blocks {type_name}: use one of {', '.join(SCALE_FIELDS)}")
+    _, elements, size = next(form for form in TENSOR_TYPES.values() if form[0] == type_name)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        parameters = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters() if p.dim() > 1)
+    needed, free = parameters * size // elements, free_bytes(device)
+    if needed > USABLE_SHARE * free:
+        raise OutOfMemoryError(f"{stem}: {parameters / 1e9:.1f}B weights in {type_name} blocks need "
+                               f"{needed / 2**30:.1f} GiB, and only {free / 2**30:.1f} GiB is free")
+    try:
+        model = random_blocks_model(config, pick_attention(device), type_name)
+    except ValueError as error:
+        raise ConfigError(f"--weight-blocks {type_name}: {error}") from error
+    check_supported(model)
+    prefill_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") or (dtype == "auto" and cpu_has_bf16_units()) else None
+    return LoadedModel(model, _tokenizer_for(tokenizer), f"{stem} (random {type_name} blocks)", device, torch.float32,
+                       f"random {type_name} blocks, {needed / 2**30:.2f} GiB", prefill_dtype)
 
 
 class ModelPool:

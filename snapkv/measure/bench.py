@@ -280,13 +280,18 @@ class PrefillRate:
     @classmethod
     def measure(cls, loaded: LoadedModel, session: Session, prompt) -> "PrefillRate":
         """Timed on `prompt` (a short exact prefill): its prefill seconds alone, not the memory hand-back."""
+        from snapkv.modeling.gguf_weights import GGUFLinear
+
         config = text_config(loaded.model)
         embeddings = {loaded.model.get_input_embeddings().weight.data_ptr()}
         head = loaded.model.get_output_embeddings()
-        if head is not None:
+        if head is not None and not isinstance(head, GGUFLinear):
             embeddings.add(head.weight.data_ptr())
-        # the embedding table is looked up, and the head runs on the last position only
+        # the embedding table is looked up, and the head runs on the last position only; a GGUF file's projections
+        # are blocks, not parameters: counted by their shapes
         parameters = sum(p.numel() for p in loaded.model.parameters() if p.data_ptr() not in embeddings)
+        parameters += sum(module.in_features * module.out_features for module in loaded.model.modules()
+                          if isinstance(module, GGUFLinear) and module is not head)
         seconds = max(session.prepare(prompt, measure=True).prefill_seconds, 1e-6)
         rate = cls(1.0, parameters, config.num_hidden_layers, config.hidden_size)
         return replace(rate, flops_per_second=rate.flops(prompt.tokens) / seconds)

@@ -15,7 +15,10 @@ def weight_bytes_per_token(model) -> int:
     of which one row is read (unless the output head shares it, which reads it whole); a layer that decodes
     from 4/8-bit blocks (snapkv.modeling.block_weights) reads its blocks instead of its fp32 weight."""
     from snapkv.modeling.block_weights import BlockLinear
+    from snapkv.modeling.gguf_weights import GGUFEmbedding
 
+    if isinstance(model.get_input_embeddings(), GGUFEmbedding):
+        return _gguf_bytes_per_token(model)
     seen, total = set(), 0
     for parameter in model.parameters():
         if parameter.data_ptr() in seen:
@@ -33,6 +36,21 @@ def weight_bytes_per_token(model) -> int:
             if module.weight.data_ptr() == embedding.data_ptr():
                 total += row  # the table is still read, one row, by the input embedding
     return total
+
+
+def _gguf_bytes_per_token(model) -> int:
+    """weight_bytes_per_token of a model read in a GGUF file's own blocks (snapkv.modeling.gguf_weights): every
+    projection's blocks once (the head's too, the embeddings' own where tied), one row of the embeddings' blocks,
+    and the small float parameters (norms, biases)."""
+    from snapkv.modeling.gguf_weights import GGUFLinear
+
+    total = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    seen = set()
+    for module in model.modules():
+        if isinstance(module, GGUFLinear) and module.matrix.blocks.data_ptr() not in seen:
+            seen.add(module.matrix.blocks.data_ptr())
+            total += module.matrix.nbytes
+    return total + model.get_input_embeddings().matrix.blocks.shape[1]
 
 
 @torch.inference_mode()

@@ -135,3 +135,27 @@ class GGUFEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.matrix.type_name} blocks"
+
+
+SCALE_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}  # where each type keeps its fp16 scales (and minimums) in a block
+
+
+def random_matrix(type_name: str, outputs: int, inputs: int, generator: torch.Generator) -> GGUFMatrix:
+    """A matrix of random blocks of `type_name` in memory (speed and memory measures: `bench --random-weights
+    --weight-blocks`): random codes and 6-bit scales, the fp16 scales small positive values, so that every product
+    stays finite. Raises ValueError for a type without blocks or inputs that are not whole blocks."""
+    from snapkv.modeling.gguf_file import TENSOR_TYPES
+
+    found = [(type_id, elements, size) for type_id, (name, elements, size) in TENSOR_TYPES.items()
+             if name == type_name]
+    if type_name not in SCALE_FIELDS or not found or inputs % found[0][1]:
+        raise ValueError(f"random {type_name} blocks of {inputs} inputs: the types are {', '.join(SCALE_FIELDS)}, "
+                         "and the inputs must be whole blocks")
+    type_id, elements, size = found[0]
+    count = inputs // elements
+    raw = torch.randint(0, 256, (outputs, count, size), dtype=torch.uint8, generator=generator)
+    scale = (torch.rand(outputs, count, generator=generator) * 0.002 + 0.0005).half().view(torch.uint8)
+    for offset in SCALE_FIELDS[type_name]:
+        raw[:, :, offset:offset + 2] = scale.view(outputs, count, 2)
+    return GGUFMatrix(type_id, type_name, raw.view(outputs, count * size), outputs, inputs)

@@ -31,6 +31,7 @@
 
 #define MOST_ELEMENTS 256  /* a K-quant super-block */
 #define MOST_GROUPS 16     /* Q6_K: a scale per 16 */
+#define ROWS_AHEAD 4       /* rows ahead whose blocks one row's product prefetches (read once a token: from memory) */
 
 /* The block form of a type: elements per block, bytes per block, elements per group (a scale); 0 for a type these
  * kernels do not read. */
@@ -373,69 +374,105 @@ WIDE static inline f32x16 fma16_low4(i32x16 bytes, const float *x, f32x16 acc) {
     return f32x16_fma(f32x16_of_low4(bytes), f32x16_load(x), acc);
 }
 
-WIDE static float row_dot_q4_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
-                                  int with_minimum) {
-    f32x16 acc = f32x16_zero();
-    float constant = 0.0f;
+/* One Q4_0/Q4_1 block's scaled products added to *acc, its constant part (Q4_1's minimum, Q4_0's -8 d) to *constant. */
+WIDE static inline void block_q4_wide(const uint8_t *b, const float *xs, float sum, int with_minimum, f32x16 *acc,
+                                      float *constant) {
+    const i32x16 q = i32x16_from_u8(u8x16_load(b + (with_minimum ? 4 : 2)));
+    const f32x16 dot = fma16_low4(i32x16_shift_right(q, 4), xs + 16, f32x16_mul(f32x16_of_low4(q), f32x16_load(xs)));
+    const float d = half_at(b);
+    *acc = f32x16_fma(f32x16_splat(d), dot, *acc);
+    *constant += (with_minimum ? half_at(b + 2) : -8.0f * d) * sum;
+}
+
+/* Even blocks and odd in two chains each (a chain's FMA waits on the one before: one chain held the rate). */
+WIDE static inline float row_dot_q4_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
+                                         int with_minimum) {
+    f32x16 even = f32x16_zero(), odd = f32x16_zero();
+    float constant_even = 0.0f, constant_odd = 0.0f;
     const int64_t bytes = with_minimum ? 20 : 18;
-    for (int64_t c = 0; c < blocks; c++) {
-        const uint8_t *b = row + c * bytes;
-        const i32x16 q = i32x16_from_u8(u8x16_load(b + (with_minimum ? 4 : 2)));
-        const float *xs = x + c * 32;
-        const f32x16 dot = fma16_low4(i32x16_shift_right(q, 4), xs + 16, f32x16_mul(f32x16_of_low4(q), f32x16_load(xs)));
-        const float d = half_at(b);
-        acc = f32x16_fma(f32x16_splat(d), dot, acc);
-        constant += (with_minimum ? half_at(b + 2) : -8.0f * d) * sums[c];
+    int64_t c = 0;
+    for (; c + 2 <= blocks; c += 2) {
+        block_q4_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
+        block_q4_wide(row + (c + 1) * bytes, x + (c + 1) * 32, sums[c + 1], with_minimum, &odd, &constant_odd);
     }
-    return f32x16_sum(acc) + constant;
+    if (c < blocks) block_q4_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
+    return f32x16_sum(f32x16_add(even, odd)) + (constant_even + constant_odd);
 }
 
-WIDE static float row_dot_q5_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
-                                  int with_minimum) {
-    f32x16 acc = f32x16_zero();
-    float constant = 0.0f;
-    const int64_t bytes = with_minimum ? 24 : 22;
+/* One Q5_0/Q5_1 block, as block_q4_wide. */
+WIDE static inline void block_q5_wide(const uint8_t *b, const float *xs, float sum, int with_minimum, f32x16 *acc,
+                                      float *constant) {
     const i32x16 lanes = i32x16_of(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), one = i32x16_splat(1);
-    for (int64_t c = 0; c < blocks; c++) {
-        const uint8_t *b = row + c * bytes, *high = b + (with_minimum ? 4 : 2);
-        uint32_t bits;
-        memcpy(&bits, high, 4);
-        const i32x16 q = i32x16_from_u8(u8x16_load(high + 4));
-        const float *xs = x + c * 32;
-        const i32x16 fifth_low = i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)bits), lanes), one);
-        const i32x16 fifth_high = i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)(bits >> 16)), lanes), one);
-        const i32x16 low = i32x16_add(i32x16_and(q, i32x16_splat(15)), i32x16_shift_left(fifth_low, 4));
-        const i32x16 upper = i32x16_add(i32x16_shift_right(q, 4), i32x16_shift_left(fifth_high, 4));
-        f32x16 dot = f32x16_mul(i32x16_to_floats(low), f32x16_load(xs));
-        dot = f32x16_fma(i32x16_to_floats(upper), f32x16_load(xs + 16), dot);
-        const float d = half_at(b);
-        acc = f32x16_fma(f32x16_splat(d), dot, acc);
-        constant += (with_minimum ? half_at(b + 2) : -16.0f * d) * sums[c];
-    }
-    return f32x16_sum(acc) + constant;
+    const uint8_t *high = b + (with_minimum ? 4 : 2);
+    uint32_t bits;
+    memcpy(&bits, high, 4);
+    const i32x16 q = i32x16_from_u8(u8x16_load(high + 4));
+    const i32x16 fifth_low = i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)bits), lanes), one);
+    const i32x16 fifth_high = i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)(bits >> 16)), lanes), one);
+    const i32x16 low = i32x16_add(i32x16_and(q, i32x16_splat(15)), i32x16_shift_left(fifth_low, 4));
+    const i32x16 upper = i32x16_add(i32x16_shift_right(q, 4), i32x16_shift_left(fifth_high, 4));
+    f32x16 dot = f32x16_mul(i32x16_to_floats(low), f32x16_load(xs));
+    dot = f32x16_fma(i32x16_to_floats(upper), f32x16_load(xs + 16), dot);
+    const float d = half_at(b);
+    *acc = f32x16_fma(f32x16_splat(d), dot, *acc);
+    *constant += (with_minimum ? half_at(b + 2) : -16.0f * d) * sum;
 }
 
-WIDE static float row_dot_q8_wide(const uint8_t *row, int64_t blocks, const float *x) {
-    f32x16 chains[2] = {f32x16_zero(), f32x16_zero()};  /* even blocks and odd */
-    for (int64_t c = 0; c < blocks; c++) {
+WIDE static inline float row_dot_q5_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
+                                         int with_minimum) {
+    f32x16 even = f32x16_zero(), odd = f32x16_zero();
+    float constant_even = 0.0f, constant_odd = 0.0f;
+    const int64_t bytes = with_minimum ? 24 : 22;
+    int64_t c = 0;
+    for (; c + 2 <= blocks; c += 2) {
+        block_q5_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
+        block_q5_wide(row + (c + 1) * bytes, x + (c + 1) * 32, sums[c + 1], with_minimum, &odd, &constant_odd);
+    }
+    if (c < blocks) block_q5_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
+    return f32x16_sum(f32x16_add(even, odd)) + (constant_even + constant_odd);
+}
+
+WIDE static inline float row_dot_q8_wide(const uint8_t *row, int64_t blocks, const float *x) {
+    f32x16 even = f32x16_zero(), odd = f32x16_zero();
+    int64_t c = 0;
+    for (; c < blocks; c++) {
         const uint8_t *b = row + c * 34;
         const float *xs = x + c * 32;
         f32x16 dot = f32x16_mul(f32x16_from_i8(u8x16_load(b + 2)), f32x16_load(xs));
         dot = f32x16_fma(f32x16_from_i8(u8x16_load(b + 18)), f32x16_load(xs + 16), dot);
-        chains[c & 1] = f32x16_fma(f32x16_splat(half_at(b)), dot, chains[c & 1]);
+        if (c & 1) odd = f32x16_fma(f32x16_splat(half_at(b)), dot, odd);
+        else even = f32x16_fma(f32x16_splat(half_at(b)), dot, even);
     }
-    return f32x16_sum(f32x16_add(chains[0], chains[1]));
+    return f32x16_sum(f32x16_add(even, odd));
 }
 
-WIDE static float row_dot_k45_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums, int five) {
+/* Q4_K and Q5_K's eight 6-bit scales and minimums of a super-block (its 12 bytes at q), as bytes: scales 0..7 in
+ * bytes 0..7 of `out`, minimums in bytes 8..15 (as scale_min_k4 gives them; rearranged 32 bits at a time). */
+static inline void scales_mins_k4(const uint8_t *q, uint32_t out[4]) {
+    const uint32_t six = 0x3f3f3f3fu, low4 = 0x0f0f0f0fu, top2 = 0x03030303u;
+    uint32_t word[3];
+    memcpy(word, q, 12);
+    out[0] = word[0] & six;                                            /* scales 0..3 */
+    out[1] = (word[2] & low4) | (((word[0] >> 6) & top2) << 4);        /* scales 4..7 */
+    out[2] = word[1] & six;                                            /* minimums 0..3 */
+    out[3] = ((word[2] >> 4) & low4) | (((word[1] >> 6) & top2) << 4); /* minimums 4..7 */
+}
+
+WIDE static inline float row_dot_k45_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums, int five) {
     f32x16 acc = f32x16_zero(), odd = f32x16_zero();  /* two chains of FMAs: even groups and odd */
-    float constant = 0.0f;
+    f32x8 minimums = f32x8_zero();                   /* the minimums' share, per group lane */
     const int64_t bytes = five ? 176 : 144;
     const i32x16 one = i32x16_splat(1);
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * bytes, *high = b + 16, *q = b + (five ? 48 : 16);
         const float d = half_at(b), dmin = half_at(b + 2);
         const float *xs = x + c * 256;
+        uint32_t packed[4];
+        scales_mins_k4(b + 4, packed);
+        float scale[8];
+        f32x8_store(scale, f32x8_mul(f32x8_splat(d), i32x8_to_floats(i32x8_from_u8(u8x16_load8(packed)))));
+        const f32x8 minimum = i32x8_to_floats(i32x8_from_u8(u8x16_load8(packed + 2)));
+        minimums = f32x8_fma(f32x8_mul(f32x8_splat(dmin), minimum), f32x8_load(sums + c * 8), minimums);
         i32x16 fifth[2];
         if (five) fifth[0] = i32x16_from_u8(u8x16_load(high)), fifth[1] = i32x16_from_u8(u8x16_load(high + 16));
         for (int pair = 0; pair < 4; pair++) {  /* groups 2 pair (low nibbles) and 2 pair + 1 (high) */
@@ -460,25 +497,23 @@ WIDE static float row_dot_k45_wide(const uint8_t *row, int64_t blocks, const flo
                 upper = fma16_low4(i32x16_shift_right(second, 4), gx + 48,
                                    f32x16_mul(f32x16_of_low4(i32x16_shift_right(first, 4)), f32x16_load(gx + 32)));
             }
-            uint8_t sc, m, sc_next, m_next;
-            scale_min_k4(2 * pair, b + 4, &sc, &m);
-            scale_min_k4(2 * pair + 1, b + 4, &sc_next, &m_next);
-            acc = f32x16_fma(f32x16_splat(d * (float)sc), low, acc);
-            odd = f32x16_fma(f32x16_splat(d * (float)sc_next), upper, odd);
-            constant -= dmin * (float)m * sums[c * 8 + 2 * pair] + dmin * (float)m_next * sums[c * 8 + 2 * pair + 1];
+            acc = f32x16_fma(f32x16_splat(scale[2 * pair]), low, acc);
+            odd = f32x16_fma(f32x16_splat(scale[2 * pair + 1]), upper, odd);
         }
     }
-    return f32x16_sum(f32x16_add(acc, odd)) + constant;
+    return f32x16_sum(f32x16_add(acc, odd)) - f32x8_sum(minimums);
 }
 
-WIDE static float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums) {
+WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums) {
     f32x16 acc = f32x16_zero(), odd = f32x16_zero();  /* two chains of FMAs */
-    float constant = 0.0f;
+    f32x16 shifts = f32x16_zero();                    /* the -32's share, per group lane */
     const i32x16 three = i32x16_splat(3), nibble = i32x16_splat(15);
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * 210;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const float d = half_at(b + 208);
+        float scale[16];
+        const f32x16 scales = f32x16_mul(f32x16_splat(half_at(b + 208)), f32x16_from_i8(u8x16_load(b + 192)));
+        f32x16_store(scale, scales);
+        shifts = f32x16_fma(scales, f32x16_load(sums + c * 16), shifts);
         const float *xs = x + c * 256;
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
@@ -494,44 +529,69 @@ WIDE static float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, const flo
                 };
                 for (int quarter = 0; quarter < 4; quarter++) {
                     const int g = 8 * n + 2 * quarter + half;
-                    const float scale = d * (float)scales[g];
                     const f32x16 dot = f32x16_mul(i32x16_to_floats(codes[quarter]),
                                                   f32x16_load(xs + 128 * n + 32 * quarter + 16 * half));
-                    if (quarter & 1) odd = f32x16_fma(f32x16_splat(scale), dot, odd);
-                    else acc = f32x16_fma(f32x16_splat(scale), dot, acc);
-                    constant -= 32.0f * scale * sums[c * 16 + g];
+                    if (quarter & 1) odd = f32x16_fma(f32x16_splat(scale[g]), dot, odd);
+                    else acc = f32x16_fma(f32x16_splat(scale[g]), dot, acc);
                 }
             }
         }
     }
-    return f32x16_sum(f32x16_add(acc, odd)) + constant;
+    return f32x16_sum(f32x16_add(acc, odd)) - 32.0f * f32x16_sum(shifts);
 }
 
-/* One output's row of blocks times x (k), the groups' sums of x given; -1 where there is no one-row form. */
-static int row_dot(int type, const uint8_t *row, int64_t k, const float *x, const float *sums, float *out) {
-    if (wide_vectors(-1)) {
+/* y (n) = x (k) @ W^T, one row of activations, 16 floats a vector: each output's row by its type's row_dot_*_wide
+ * (inlined: the loop over outputs and the products compiled together for AVX-512). Returns -1 for a type without a
+ * one-row form. */
+WIDE static int one_row_wide(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, const float *x,
+                             const float *sums, float *y, int threads) {
+    if (type != GGUF_Q4_0 && type != GGUF_Q4_1 && type != GGUF_Q5_0 && type != GGUF_Q5_1 && type != GGUF_Q8_0
+        && type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K)
+        return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        const uint8_t *row = w + out * row_bytes;
+        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);
+        float value = 0.0f;
         switch (type) {
-        case GGUF_Q4_0: *out = row_dot_q4_wide(row, k / 32, x, sums, 0); return 0;
-        case GGUF_Q4_1: *out = row_dot_q4_wide(row, k / 32, x, sums, 1); return 0;
-        case GGUF_Q5_0: *out = row_dot_q5_wide(row, k / 32, x, sums, 0); return 0;
-        case GGUF_Q5_1: *out = row_dot_q5_wide(row, k / 32, x, sums, 1); return 0;
-        case GGUF_Q8_0: *out = row_dot_q8_wide(row, k / 32, x); return 0;
-        case GGUF_Q4_K: *out = row_dot_k45_wide(row, k / 256, x, sums, 0); return 0;
-        case GGUF_Q5_K: *out = row_dot_k45_wide(row, k / 256, x, sums, 1); return 0;
-        case GGUF_Q6_K: *out = row_dot_q6k_wide(row, k / 256, x, sums); return 0;
+        case GGUF_Q4_0: value = row_dot_q4_wide(row, k / 32, x, sums, 0); break;
+        case GGUF_Q4_1: value = row_dot_q4_wide(row, k / 32, x, sums, 1); break;
+        case GGUF_Q5_0: value = row_dot_q5_wide(row, k / 32, x, sums, 0); break;
+        case GGUF_Q5_1: value = row_dot_q5_wide(row, k / 32, x, sums, 1); break;
+        case GGUF_Q8_0: value = row_dot_q8_wide(row, k / 32, x); break;
+        case GGUF_Q4_K: value = row_dot_k45_wide(row, k / 256, x, sums, 0); break;
+        case GGUF_Q5_K: value = row_dot_k45_wide(row, k / 256, x, sums, 1); break;
+        case GGUF_Q6_K: value = row_dot_q6k_wide(row, k / 256, x, sums); break;
         }
+        y[out] = value;
     }
-    switch (type) {
-    case GGUF_Q4_0: *out = row_dot_q4(row, k / 32, x, sums, 0); return 0;
-    case GGUF_Q4_1: *out = row_dot_q4(row, k / 32, x, sums, 1); return 0;
-    case GGUF_Q5_0: *out = row_dot_q5(row, k / 32, x, sums, 0); return 0;
-    case GGUF_Q5_1: *out = row_dot_q5(row, k / 32, x, sums, 1); return 0;
-    case GGUF_Q8_0: *out = row_dot_q8(row, k / 32, x); return 0;
-    case GGUF_Q4_K: *out = row_dot_k45(row, k / 256, x, sums, 0); return 0;
-    case GGUF_Q5_K: *out = row_dot_k45(row, k / 256, x, sums, 1); return 0;
-    case GGUF_Q6_K: *out = row_dot_q6k(row, k / 256, x, sums); return 0;
+    return 0;
+}
+
+/* The same, 8 floats a vector (every build). */
+static int one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, const float *x,
+                   const float *sums, float *y, int threads) {
+    if (type != GGUF_Q4_0 && type != GGUF_Q4_1 && type != GGUF_Q5_0 && type != GGUF_Q5_1 && type != GGUF_Q8_0
+        && type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K)
+        return -1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t out = 0; out < n; out++) {
+        const uint8_t *row = w + out * row_bytes;
+        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);
+        float value = 0.0f;
+        switch (type) {
+        case GGUF_Q4_0: value = row_dot_q4(row, k / 32, x, sums, 0); break;
+        case GGUF_Q4_1: value = row_dot_q4(row, k / 32, x, sums, 1); break;
+        case GGUF_Q5_0: value = row_dot_q5(row, k / 32, x, sums, 0); break;
+        case GGUF_Q5_1: value = row_dot_q5(row, k / 32, x, sums, 1); break;
+        case GGUF_Q8_0: value = row_dot_q8(row, k / 32, x); break;
+        case GGUF_Q4_K: value = row_dot_k45(row, k / 256, x, sums, 0); break;
+        case GGUF_Q5_K: value = row_dot_k45(row, k / 256, x, sums, 1); break;
+        case GGUF_Q6_K: value = row_dot_q6k(row, k / 256, x, sums); break;
+        }
+        y[out] = value;
     }
-    return -1;
+    return 0;
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W (n, k) in `type` blocks, each output's row `row_bytes` long; rows at most
@@ -553,14 +613,8 @@ int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t
             for (int64_t i = 0; i < group; i++) total += x[r * k + g * group + i];
             sums[r * all_groups + g] = total;
         }
-    float probe;
-    if (rows == 1 && row_dot(type, w, 0, x, sums, &probe) == 0) {  /* a type with a one-row form */
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t out = 0; out < n; out++) {
-            const uint8_t *row = w + out * row_bytes;
-            if (out + 1 < n) prefetch_bytes((const char *)(row + row_bytes), row_bytes);
-            row_dot(type, row, k, x, sums, y + out);
-        }
+    if (rows == 1 && (wide_vectors(-1) ? one_row_wide(type, w, row_bytes, k, n, x, sums, y, threads)
+                                       : one_row(type, w, row_bytes, k, n, x, sums, y, threads)) == 0) {
         free(sums);
         return 0;
     }
