@@ -181,3 +181,27 @@ def test_fit_growth_recovers_the_exponent():
     assert growth["snapkv 128"]["prefill_seconds"] == pytest.approx(2.0)
     assert growth["snapkv 128"]["decode_ms_per_token"] == pytest.approx(1.0)
     assert growth["snapkv 128"]["peak_memory_bytes"] == pytest.approx(1.0)
+
+
+def test_random_gguf_blocks_are_read_as_a_files_blocks_and_bad_choices_refused(home):
+    result = CliRunner().invoke(app, ["bench", "--random-weights", str(TINY_SHAPE), "--weight-blocks", "Q8_0",
+                                      "--length", "600", "--budget", "128", "--decode-tokens", "4", "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert "random Q8_0 blocks" in data["model"]
+    # every matrix in Q8_0 (34 bytes a block of 32): 4 layers of q, k, v, o, gate, up, down, and the head; one
+    # row of the embeddings; norms in fp32
+    hidden, inner, kv, layers, vocab = 128, 256, 2 * 16, 4, 49152
+    matrices = layers * (hidden * (2 * hidden + 2 * kv) + 3 * hidden * inner) + vocab * hidden
+    norms = 4 * ((2 * layers + 1) * hidden)
+    assert data["weight_bytes"] == matrices // 32 * 34 + hidden // 32 * 34 + norms
+    assert all(row["engine"]["steps"] == "native" for row in data["rows"])
+    refused = CliRunner().invoke(app, ["bench", "--weight-blocks", "Q8_0"])
+    assert refused.exit_code == 2 and "--random-weights" in refused.output
+    with pytest.raises(ConfigError, match="whole blocks"):  # 128 inputs are not whole blocks of 256
+        CliRunner().invoke(app, ["bench", "--random-weights", str(TINY_SHAPE), "--weight-blocks", "Q4_K"],
+                           catch_exceptions=False)
+    with pytest.raises(ConfigError, match="use one of"):
+        CliRunner().invoke(app, ["bench", "--random-weights", str(TINY_SHAPE), "--weight-blocks", "IQ2_XS"],
+                           catch_exceptions=False)

@@ -108,8 +108,9 @@ def test_answers_run_native_and_are_the_torch_engines_token_for_token(architectu
         steps.clear()
 
 
-def test_ask_on_a_gguf_file_answers_natively_and_says_how_it_read_the_weights(gguf_home, cli, tmp_path):
-    path, _ = gguf_home["qwen2"]
+@pytest.mark.parametrize("architecture", sorted(CONFIGS))
+def test_ask_on_a_gguf_file_answers_natively_and_says_how_it_read_the_weights(architecture, gguf_home, cli, tmp_path):
+    path, _ = gguf_home[architecture]
     document = tmp_path / "note.txt"
     document.write_text("The harbour authority employed 4,318 people at the end of 2024. " * 20)
     result = cli("ask", "-m", path, document, "How many people did the authority employ?", "--json", "--no-server",

@@ -111,7 +111,9 @@ def feed_forward_modules(model: nn.Module) -> list[nn.Module]:
 
 def layer_devices(model: nn.Module) -> list[torch.device]:
     """The device each attention layer runs on (several with accelerate's device_map), in layer order."""
-    return [next(layer.module.parameters()).device for layer in attention_layers(model)]
+    # a layer's parameters, or its buffers where it has none (a GGUF file's projections hold blocks, not parameters)
+    return [next(iter([*layer.module.parameters(), *layer.module.buffers()])).device
+            for layer in attention_layers(model)]
 
 
 @contextmanager
