@@ -38,8 +38,8 @@ def pyplot():
 
 def load_with_status(err: Console, model: str | None, device: str, dtype: str,
                      device_map: str | None = None) -> tuple[LoadedModel, float]:
-    """The model, with a spinner while it loads and one progress bar of ours the first time a GGUF file (the
-    embedded model) is converted; off a terminal, a line for each."""
+    """The model, with a spinner while it loads and one progress bar of ours the first time a GGUF file is prepared
+    (the embedded model converted, another's config and tokenizer read); off a terminal, a line for each."""
     from snapkv.engine.models import MODEL_POOL
 
     live = err.is_terminal
@@ -51,16 +51,16 @@ def load_with_status(err: Console, model: str | None, device: str, dtype: str,
         nonlocal task, converting_since
         if converting_since is None:
             converting_since = time.perf_counter()
-            done(err, "converting the model once to safetensors (about 30 s; later loads take seconds)")
+            done(err, "preparing the model once: the embedded one converted to safetensors, a GGUF file's config "
+                      "and tokenizer read (about 30 s; later loads take seconds)")
         if live and task is None:
             status.stop()
             progress.start()
-            task = progress.add_task("Converting the model once to safetensors (about 30 s; later loads take "
-                                     "seconds)", total=total)
+            task = progress.add_task("Preparing the model once (about 30 s; later loads take seconds)", total=total)
         if live:
             progress.update(task, completed=done_parts, total=total)
         elif done_parts == total:
-            done(err, f"converted the model in {time.perf_counter() - converting_since:.1f} s")
+            done(err, f"prepared the model in {time.perf_counter() - converting_since:.1f} s")
 
     status = err.status("Loading model...")
     if live:

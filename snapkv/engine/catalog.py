@@ -8,7 +8,7 @@ from pathlib import Path
 from snapkv.base.errors import ModelNotFoundError
 from snapkv.base.paths import models_dir
 from snapkv.base.supported import SUPPORTED_MODEL_TYPES
-from snapkv.engine.conversion import EMBEDDED_NAME, _gguf_conversion_dir, embedded_gguf_path
+from snapkv.engine.conversion import EMBEDDED_NAME, gguf_folder, embedded_gguf_path
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ def _embedded() -> list[ModelEntry]:
         gguf = embedded_gguf_path()
     except ModelNotFoundError:
         return []
-    config = _config(_gguf_conversion_dir(gguf))
+    config = _config(gguf_folder(gguf))
     return [ModelEntry("", "embedded (default)", str(gguf), gguf.stat().st_size,
                        config.get("max_position_embeddings", 8192), config.get("model_type", "llama"))]
 
@@ -95,7 +95,7 @@ def _gguf_files() -> list[ModelEntry]:
 
 
 def _converted() -> list[ModelEntry]:
-    embedded = {str(_gguf_conversion_dir(Path(entry.path))) for entry in _embedded()}
+    embedded = {str(gguf_folder(Path(entry.path))) for entry in _embedded()}
     found = []
     for folder in sorted(models_dir().glob("*")) if models_dir().is_dir() else []:
         if not folder.is_dir() or folder.name.endswith("-config"):  # a GGUF's config and tokenizer, not a model

@@ -34,38 +34,61 @@ def embedded_gguf_path() -> Path:
 CONVERSION_STEPS = 4  # reported by convert_gguf: tokenizer, weights dequantized, plain model, saved
 
 
-def _gguf_conversion_dir(gguf: Path) -> Path:
+def gguf_folder(gguf: Path, suffix: str = "") -> Path:
+    """The folder in the snapkv home that holds what was made once from this GGUF file (named by its path, size and
+    modification time, so a changed file makes a new one): its conversion, or (suffix "-config") its config and
+    tokenizer."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return models_dir() / f"{gguf.stem}-{key}"
+    return models_dir() / f"{gguf.stem}-{key}{suffix}"
 
 
 def is_converted(gguf: Path) -> bool:
     """Whether this GGUF file has been converted already (loading it is then fast)."""
-    return (_gguf_conversion_dir(gguf) / "config.json").is_file()
+    return (gguf_folder(gguf) / "config.json").is_file()
 
 
-def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
-    """Dequantize a GGUF file once into a safetensors folder in the snapkv home; later loads are fast.
-
-    on_progress: called with (steps done, steps in all) as the conversion's CONVERSION_STEPS go by (the tokenizer,
-    the weights dequantized, a plain model made of them, saved): transformers' own progress is not read (no
-    private names), so the steps are coarse; the longest is the second.
-    The folder is written under a temporary name and renamed when complete, so an interrupted
-    conversion never leaves a half-written model behind.
-    """
-    target = _gguf_conversion_dir(gguf)
+def made_once(target: Path, make: Callable[[Path], None], what: str) -> Path:
+    """`target`, a folder with a config.json, made by make(staging) the first time: written under a temporary name and
+    renamed when complete, so an interrupted run never leaves a half-written folder (and a second process that made it
+    first wins). ModelNotFoundError saying `what` failed for an error transformers raises on the way."""
     if (target / "config.json").is_file():
         return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # its loading and saving bars: ours is shown instead
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
-    report = on_progress or (lambda done, total: None)
     try:
+        make(staging)
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # another process won the race otherwise
+                raise
+    except SnapKVError:
+        raise
+    except Exception as error:  # transformers raises many kinds here
+        raise ModelNotFoundError(f"could not {what}: {error}") from error
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
+    """Dequantize a GGUF file once into a safetensors folder in the snapkv home; later loads are fast (the embedded
+    model's path; other GGUF files are read in their own blocks: snapkv.engine.gguf_model).
+
+    on_progress: called with (steps done, steps in all) as the conversion's CONVERSION_STEPS go by (the tokenizer,
+    the weights dequantized, a plain model made of them, saved): transformers' own progress is not read (no
+    private names), so the steps are coarse; the longest is the second.
+    """
+    report = on_progress or (lambda done, total: None)
+
+    def make(staging: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         report(0, CONVERSION_STEPS)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         report(1, CONVERSION_STEPS)
@@ -82,15 +105,5 @@ def convert_gguf(gguf: Path, on_progress: Callable[[int, int], None] | None = No
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         report(CONVERSION_STEPS, CONVERSION_STEPS)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # another process won the race otherwise
-                raise
-    except SnapKVError:
-        raise
-    except Exception as error:  # transformers raises many kinds here
-        raise ModelNotFoundError(f"could not convert {gguf}: {error}") from error
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return made_once(gguf_folder(gguf), make, f"convert {gguf}")

@@ -8,18 +8,14 @@ Read as llama.cpp writes them: the architectures below, their tensors by llama.c
 of those two matrices' blocks, as transformers' own GGUF loader undoes it over the dequantized weights).
 """
 
-import hashlib
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from snapkv.base.errors import ModelFileError, ModelNotFoundError, SnapKVError, UnsupportedModelError
-from snapkv.base.paths import models_dir
+from snapkv.base.errors import ModelFileError, UnsupportedModelError
+from snapkv.engine.conversion import gguf_folder, made_once
 from snapkv.modeling.gguf_file import COMPUTED_TYPES, GGUFFile
 from snapkv.modeling.gguf_weights import GGUFEmbedding, GGUFLinear, GGUFMatrix, random_matrix
 
@@ -62,29 +58,17 @@ class GGUFModel:
                 f"{self.block_bytes / 2**30:.2f} GiB mapped")
 
 
-def _config_folder(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return models_dir() / f"{gguf.stem}-{key}-config"
-
-
 CONFIG_STEPS = 2  # reported while the config and tokenizer are converted: the tokenizer, then saved
 
 
 def config_and_tokenizer(gguf: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
     """The folder holding this GGUF's config.json and tokenizer files, converted the first time (a few seconds: the
-    tokenizer's vocabulary) under a temporary name and renamed when whole."""
-    target = _config_folder(gguf)
-    if (target / "config.json").is_file():
-        return target
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    tokenizer's vocabulary; snapkv.engine.conversion.made_once)."""
     report = on_progress or (lambda done, total: None)
-    try:
+
+    def make(staging: Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
         report(0, CONFIG_STEPS)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
@@ -92,18 +76,8 @@ def config_and_tokenizer(gguf: Path, on_progress: Callable[[int, int], None] | N
         config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         report(CONFIG_STEPS, CONFIG_STEPS)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    except SnapKVError:
-        raise
-    except Exception as error:  # transformers raises many kinds here
-        raise ModelNotFoundError(f"could not read the config and tokenizer of {gguf}: {error}") from error
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+    return made_once(gguf_folder(gguf, "-config"), make, f"read the config and tokenizer of {gguf}")
 
 
 def _matrix(file: GGUFFile, name: str, shape: tuple[int, int]) -> GGUFMatrix:

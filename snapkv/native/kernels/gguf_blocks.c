@@ -540,58 +540,43 @@ WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, co
     return f32x16_sum(f32x16_add(acc, odd)) - 32.0f * f32x16_sum(shifts);
 }
 
-/* y (n) = x (k) @ W^T, one row of activations, 16 floats a vector: each output's row by its type's row_dot_*_wide
- * (inlined: the loop over outputs and the products compiled together for AVX-512). Returns -1 for a type without a
- * one-row form. */
-WIDE static int one_row_wide(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, const float *x,
-                             const float *sums, float *y, int threads) {
-    if (type != GGUF_Q4_0 && type != GGUF_Q4_1 && type != GGUF_Q5_0 && type != GGUF_Q5_1 && type != GGUF_Q8_0
-        && type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K)
-        return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t out = 0; out < n; out++) {
-        const uint8_t *row = w + out * row_bytes;
-        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);
-        float value = 0.0f;
-        switch (type) {
-        case GGUF_Q4_0: value = row_dot_q4_wide(row, k / 32, x, sums, 0); break;
-        case GGUF_Q4_1: value = row_dot_q4_wide(row, k / 32, x, sums, 1); break;
-        case GGUF_Q5_0: value = row_dot_q5_wide(row, k / 32, x, sums, 0); break;
-        case GGUF_Q5_1: value = row_dot_q5_wide(row, k / 32, x, sums, 1); break;
-        case GGUF_Q8_0: value = row_dot_q8_wide(row, k / 32, x); break;
-        case GGUF_Q4_K: value = row_dot_k45_wide(row, k / 256, x, sums, 0); break;
-        case GGUF_Q5_K: value = row_dot_k45_wide(row, k / 256, x, sums, 1); break;
-        case GGUF_Q6_K: value = row_dot_q6k_wide(row, k / 256, x, sums); break;
-        }
-        y[out] = value;
+/* Whether a type has a one-row form (row_dot_* below). */
+static int has_row_dot(int type) {
+    return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q5_0 || type == GGUF_Q5_1 || type == GGUF_Q8_0
+           || type == GGUF_Q4_K || type == GGUF_Q5_K || type == GGUF_Q6_K;
+}
+
+/* The loop over outputs of one row of activations, each output's row of blocks by its type's row_dot_*SUFFIX
+ * (inlined: the loop and the products compiled together, for AVX-512 in the _wide one). */
+#define ONE_ROW_LOOP(SUFFIX)                                                                                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
+    for (int64_t out = 0; out < n; out++) {                                                                         \
+        const uint8_t *row = w + out * row_bytes;                                                                   \
+        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);         \
+        float value = 0.0f;                                                                                         \
+        switch (type) {                                                                                             \
+        case GGUF_Q4_0: value = row_dot_q4##SUFFIX(row, k / 32, x, sums, 0); break;                                 \
+        case GGUF_Q4_1: value = row_dot_q4##SUFFIX(row, k / 32, x, sums, 1); break;                                 \
+        case GGUF_Q5_0: value = row_dot_q5##SUFFIX(row, k / 32, x, sums, 0); break;                                 \
+        case GGUF_Q5_1: value = row_dot_q5##SUFFIX(row, k / 32, x, sums, 1); break;                                 \
+        case GGUF_Q8_0: value = row_dot_q8##SUFFIX(row, k / 32, x); break;                                          \
+        case GGUF_Q4_K: value = row_dot_k45##SUFFIX(row, k / 256, x, sums, 0); break;                               \
+        case GGUF_Q5_K: value = row_dot_k45##SUFFIX(row, k / 256, x, sums, 1); break;                               \
+        case GGUF_Q6_K: value = row_dot_q6k##SUFFIX(row, k / 256, x, sums); break;                                  \
+        }                                                                                                           \
+        y[out] = value;                                                                                             \
     }
-    return 0;
+
+/* y (n) = x (k) @ W^T, one row of activations, 16 floats a vector (a type with a one-row form only). */
+WIDE static void one_row_wide(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, const float *x,
+                              const float *sums, float *y, int threads) {
+    ONE_ROW_LOOP(_wide)
 }
 
 /* The same, 8 floats a vector (every build). */
-static int one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, const float *x,
-                   const float *sums, float *y, int threads) {
-    if (type != GGUF_Q4_0 && type != GGUF_Q4_1 && type != GGUF_Q5_0 && type != GGUF_Q5_1 && type != GGUF_Q8_0
-        && type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K)
-        return -1;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t out = 0; out < n; out++) {
-        const uint8_t *row = w + out * row_bytes;
-        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);
-        float value = 0.0f;
-        switch (type) {
-        case GGUF_Q4_0: value = row_dot_q4(row, k / 32, x, sums, 0); break;
-        case GGUF_Q4_1: value = row_dot_q4(row, k / 32, x, sums, 1); break;
-        case GGUF_Q5_0: value = row_dot_q5(row, k / 32, x, sums, 0); break;
-        case GGUF_Q5_1: value = row_dot_q5(row, k / 32, x, sums, 1); break;
-        case GGUF_Q8_0: value = row_dot_q8(row, k / 32, x); break;
-        case GGUF_Q4_K: value = row_dot_k45(row, k / 256, x, sums, 0); break;
-        case GGUF_Q5_K: value = row_dot_k45(row, k / 256, x, sums, 1); break;
-        case GGUF_Q6_K: value = row_dot_q6k(row, k / 256, x, sums); break;
-        }
-        y[out] = value;
-    }
-    return 0;
+static void one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t n, const float *x,
+                    const float *sums, float *y, int threads) {
+    ONE_ROW_LOOP()
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W (n, k) in `type` blocks, each output's row `row_bytes` long; rows at most
@@ -614,8 +599,9 @@ int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t
             for (int64_t i = 0; i < group; i++) total += x[r * k + g * group + i];
             sums[r * all_groups + g] = total;
         }
-    if (rows == 1 && (wide_vectors(-1) ? one_row_wide(type, w, row_bytes, k, n, x, sums, y, threads)
-                                       : one_row(type, w, row_bytes, k, n, x, sums, y, threads)) == 0) {
+    if (rows == 1 && has_row_dot(type)) {
+        if (wide_vectors(-1)) one_row_wide(type, w, row_bytes, k, n, x, sums, y, threads);
+        else one_row(type, w, row_bytes, k, n, x, sums, y, threads);
         free(sums);
         return 0;
     }
