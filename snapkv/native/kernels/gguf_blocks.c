@@ -579,6 +579,65 @@ static void one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, in
     ONE_ROW_LOOP()
 }
 
+/* The loop over outputs for several rows of activations, in vectors V (f32x8 or f32x16) of LANES floats: per
+ * output, per block, its weights made once (as gguf_dequantize gives them), then the rows' products two rows at a
+ * time (each weight vector loaded once for both), two chains of FMAs a row. */
+#define SEVERAL_ROWS_LOOP(V, LANES)                                                                                  \
+    int64_t elements, bytes, group;                                                                                 \
+    gguf_block_form(type, &elements, &bytes, &group);                                                               \
+    const int64_t per_row = k / elements, groups = elements / group;                                                \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
+    for (int64_t out = 0; out < n; out++) {                                                                         \
+        float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS];                                         \
+        V chains[SNAPKV_MAX_ROWS][2];                                                                               \
+        for (int64_t r = 0; r < rows; r++) chains[r][0] = chains[r][1] = V##_zero();                               \
+        const uint8_t *row = w + out * row_bytes;                                                                   \
+        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);         \
+        for (int64_t c = 0; c < per_row; c++) {                                                                     \
+            const int offsets = unpack_block(type, row + c * bytes, code, scale, offset);                           \
+            for (int64_t g = 0; g < groups; g++)                                                                    \
+                for (int64_t i = g * group; i < (g + 1) * group; i += LANES) {                                      \
+                    const V scaled = V##_mul(V##_splat(scale[g]), V##_load(code + i));                              \
+                    V##_store(code + i, offsets ? V##_add(scaled, V##_splat(offset[g])) : scaled);                 \
+                }                                                                                                   \
+            int64_t r = 0;                                                                                          \
+            for (; r + 2 <= rows; r += 2) {                                                                         \
+                const float *x0 = x + r * k + c * elements, *x1 = x0 + k;                                           \
+                V a0 = chains[r][0], a1 = chains[r][1], b0 = chains[r + 1][0], b1 = chains[r + 1][1];               \
+                for (int64_t i = 0; i < elements; i += 2 * LANES) {                                                 \
+                    const V w0 = V##_load(code + i), w1 = V##_load(code + i + LANES);                               \
+                    a0 = V##_fma(w0, V##_load(x0 + i), a0);                                                         \
+                    a1 = V##_fma(w1, V##_load(x0 + i + LANES), a1);                                                 \
+                    b0 = V##_fma(w0, V##_load(x1 + i), b0);                                                         \
+                    b1 = V##_fma(w1, V##_load(x1 + i + LANES), b1);                                                 \
+                }                                                                                                   \
+                chains[r][0] = a0, chains[r][1] = a1, chains[r + 1][0] = b0, chains[r + 1][1] = b1;                 \
+            }                                                                                                       \
+            for (; r < rows; r++) {                                                                                 \
+                const float *xs = x + r * k + c * elements;                                                         \
+                V a0 = chains[r][0], a1 = chains[r][1];                                                             \
+                for (int64_t i = 0; i < elements; i += 2 * LANES) {                                                 \
+                    a0 = V##_fma(V##_load(code + i), V##_load(xs + i), a0);                                         \
+                    a1 = V##_fma(V##_load(code + i + LANES), V##_load(xs + i + LANES), a1);                         \
+                }                                                                                                   \
+                chains[r][0] = a0, chains[r][1] = a1;                                                               \
+            }                                                                                                       \
+        }                                                                                                           \
+        for (int64_t r = 0; r < rows; r++) y[r * n + out] = V##_sum(V##_add(chains[r][0], chains[r][1]));        \
+    }
+
+/* y (rows, n) = x (rows, k) @ W^T for rows > 1, 16 floats a vector (AVX-512 in the avx512 build). */
+WIDE static void several_rows_wide(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t rows, int64_t n,
+                                   const float *x, float *y, int threads) {
+    SEVERAL_ROWS_LOOP(f32x16, 16)
+}
+
+/* The same, 8 floats a vector (every build). */
+static void several_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t rows, int64_t n,
+                         const float *x, float *y, int threads) {
+    SEVERAL_ROWS_LOOP(f32x8, 8)
+}
+
 /* y (rows, n) = x (rows, k) @ W^T, W (n, k) in `type` blocks, each output's row `row_bytes` long; rows at most
  * SNAPKV_MAX_ROWS. One row (a decoded token): one_row_wide / one_row, the codes straight into FMAs, the constant
  * parts of the weights times the groups' sums of x (taken once per call). More rows (a question): per output, per
@@ -590,60 +649,21 @@ int gguf_matmul(const float *x, int64_t rows, int64_t k, int type, const uint8_t
     if (rows < 1 || rows > SNAPKV_MAX_ROWS || gguf_block_form(type, &elements, &bytes, &group) != 0 || k % elements
         || row_bytes < k / elements * bytes)
         return -1;
-    const int64_t per_row = k / elements, groups = elements / group, all_groups = k / group;
-    float *sums = (float *)malloc(sizeof(float) * (size_t)(rows * all_groups));  /* (rows, k / group) */
-    if (!sums) return -1;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t g = 0; g < all_groups; g++) {
-            float total = 0.0f;
-            for (int64_t i = 0; i < group; i++) total += x[r * k + g * group + i];
-            sums[r * all_groups + g] = total;
-        }
-    if (rows == 1 && has_row_dot(type)) {
-        if (wide_vectors(-1)) one_row_wide(type, w, row_bytes, k, n, x, sums, y, threads);
-        else one_row(type, w, row_bytes, k, n, x, sums, y, threads);
-        free(sums);
+    if (rows > 1 || !has_row_dot(type)) {
+        if (wide_vectors(-1)) several_rows_wide(type, w, row_bytes, k, rows, n, x, y, threads);
+        else several_rows(type, w, row_bytes, k, rows, n, x, y, threads);
         return 0;
     }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t out = 0; out < n; out++) {
-        float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS];
-        f32x8 chains[SNAPKV_MAX_ROWS][2];  /* per row, two chains of FMAs (one waits on the one before) */
-        for (int64_t r = 0; r < rows; r++) chains[r][0] = chains[r][1] = f32x8_zero();
-        const uint8_t *row = w + out * row_bytes;
-        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);
-        for (int64_t c = 0; c < per_row; c++) {
-            const int offsets = unpack_block(type, row + c * bytes, code, scale, offset);
-            for (int64_t g = 0; g < groups; g++)  /* the block's weights, as gguf_dequantize gives them */
-                for (int64_t i = g * group; i < (g + 1) * group; i += 8) {
-                    const f32x8 scaled = f32x8_mul(f32x8_splat(scale[g]), f32x8_load(code + i));
-                    f32x8_store(code + i, offsets ? f32x8_add(scaled, f32x8_splat(offset[g])) : scaled);
-                }
-            int64_t r = 0;
-            for (; r + 2 <= rows; r += 2) {  /* two rows at a time: each weight vector loaded once for both */
-                const float *x0 = x + r * k + c * elements, *x1 = x0 + k;
-                f32x8 a0 = chains[r][0], a1 = chains[r][1], b0 = chains[r + 1][0], b1 = chains[r + 1][1];
-                for (int64_t i = 0; i < elements; i += 16) {
-                    const f32x8 w0 = f32x8_load(code + i), w1 = f32x8_load(code + i + 8);
-                    a0 = f32x8_fma(w0, f32x8_load(x0 + i), a0);
-                    a1 = f32x8_fma(w1, f32x8_load(x0 + i + 8), a1);
-                    b0 = f32x8_fma(w0, f32x8_load(x1 + i), b0);
-                    b1 = f32x8_fma(w1, f32x8_load(x1 + i + 8), b1);
-                }
-                chains[r][0] = a0, chains[r][1] = a1, chains[r + 1][0] = b0, chains[r + 1][1] = b1;
-            }
-            for (; r < rows; r++) {
-                const float *xs = x + r * k + c * elements;
-                f32x8 a0 = chains[r][0], a1 = chains[r][1];
-                for (int64_t i = 0; i < elements; i += 16) {
-                    a0 = f32x8_fma(f32x8_load(code + i), f32x8_load(xs + i), a0);
-                    a1 = f32x8_fma(f32x8_load(code + i + 8), f32x8_load(xs + i + 8), a1);
-                }
-                chains[r][0] = a0, chains[r][1] = a1;
-            }
-        }
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = f32x8_sum(f32x8_add(chains[r][0], chains[r][1]));
+    const int64_t groups = k / group;
+    float *sums = (float *)malloc(sizeof(float) * (size_t)groups);  /* (k / group): the sums of x per group */
+    if (!sums) return -1;
+    for (int64_t g = 0; g < groups; g++) {
+        float total = 0.0f;
+        for (int64_t i = 0; i < group; i++) total += x[g * group + i];
+        sums[g] = total;
     }
+    if (wide_vectors(-1)) one_row_wide(type, w, row_bytes, k, n, x, sums, y, threads);
+    else one_row(type, w, row_bytes, k, n, x, sums, y, threads);
     free(sums);
     return 0;
 }
