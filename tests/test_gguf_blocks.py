@@ -20,8 +20,10 @@ def _matrix(type_name: str, rows: int, k: int, seed: int) -> tuple[GGUFMatrix, t
     return GGUFMatrix(TYPE_IDS[type_name], type_name, blocks, rows, k), gguf_py_weights(type_name, blocks)
 
 
+@pytest.mark.parametrize("wide", [True, False])
 @pytest.mark.parametrize("type_name", BLOCK_TYPES)
-def test_every_type_dequantizes_to_gguf_pys_values_bit_for_bit(type_name):
+def test_every_type_dequantizes_to_gguf_pys_values_bit_for_bit(type_name, wide, vector_width):
+    vector_width(wide)  # the 16-lane weights of Q4_K, Q6_K and Q8_0, and the scalar ones of every type
     matrix, expected = _matrix(type_name, 7, 512, seed=len(type_name))
     assert torch.equal(matrix.dequantized(), expected)
     assert torch.equal(matrix.dequantized(torch.bfloat16), expected.to(torch.bfloat16))  # rounded as PyTorch rounds

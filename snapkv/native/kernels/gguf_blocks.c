@@ -171,6 +171,20 @@ static inline uint16_t bf16_bits(float value) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1)) >> 16);
 }
 
+/* One block's weights, as ggml and gguf-py compute them: scale * code + offset per group (scale * code where the type
+ * has no offsets), each product rounded, then the sum. Any type gguf_block_form takes. */
+static void block_weights(int type, const uint8_t *b, float *weights) {
+    int64_t elements, group;
+    gguf_block_form(type, &elements, NULL, &group);
+    float scale[MOST_GROUPS], offset[MOST_GROUPS];
+    const int offsets = unpack_block(type, b, weights, scale, offset);
+    for (int64_t g = 0; g < elements / group; g++)
+        for (int64_t i = g * group; i < (g + 1) * group; i++)
+            weights[i] = offsets ? scale[g] * weights[i] + offset[g] : scale[g] * weights[i];
+}
+
+static void block_weights_wide(int type, const uint8_t *b, float *weights);  /* below: the same, in vectors */
+
 /* Rows of `type` blocks -> their weights, (rows, k) fp32 (bf16 = 0) or bf16 rounded from them (bf16 = 1). k a
  * multiple of the type's elements; rows `row_bytes` apart (k / elements * bytes where they follow each other). */
 int gguf_dequantize(int type, const uint8_t *blocks, int64_t rows, int64_t k, int64_t row_bytes, void *out, int bf16,
@@ -178,16 +192,16 @@ int gguf_dequantize(int type, const uint8_t *blocks, int64_t rows, int64_t k, in
     int64_t elements, bytes, group;
     if (gguf_block_form(type, &elements, &bytes, &group) != 0 || k % elements || row_bytes < k / elements * bytes)
         return -1;
-    const int64_t per_row = k / elements, groups = elements / group;
+    const int64_t per_row = k / elements;
+    const int wide = wide_vectors(-1);
     (void)threads;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS], weights[MOST_ELEMENTS];
+        float weights[MOST_ELEMENTS];
         for (int64_t c = 0; c < per_row; c++) {
-            const int offsets = unpack_block(type, blocks + r * row_bytes + c * bytes, code, scale, offset);
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t i = g * group; i < (g + 1) * group; i++)
-                    weights[i] = offsets ? scale[g] * code[i] + offset[g] : scale[g] * code[i];
+            const uint8_t *block = blocks + r * row_bytes + c * bytes;
+            if (wide) block_weights_wide(type, block, weights);
+            else block_weights(type, block, weights);
             const int64_t at = r * k + c * elements;
             if (bf16) {
                 uint16_t *target = (uint16_t *)out + at;
@@ -384,19 +398,22 @@ WIDE static inline void block_q4_wide(const uint8_t *b, const float *xs, float s
     *constant += (with_minimum ? half_at(b + 2) : -8.0f * d) * sum;
 }
 
-/* Even blocks and odd in two chains each (a chain's FMA waits on the one before: one chain held the rate). */
+/* A row of 32-element blocks of `bytes` each through BLOCK (block_q4_wide, block_q5_wide): even blocks and odd in
+ * two chains each (a chain's FMA waits on the one before: one chain held the rate). */
+#define EVEN_AND_ODD_BLOCKS(BLOCK, bytes)                                                                            \
+    f32x16 even = f32x16_zero(), odd = f32x16_zero();                                                               \
+    float constant_even = 0.0f, constant_odd = 0.0f;                                                                \
+    int64_t c = 0;                                                                                                  \
+    for (; c + 2 <= blocks; c += 2) {                                                                               \
+        BLOCK(row + c * (bytes), x + c * 32, sums[c], with_minimum, &even, &constant_even);                         \
+        BLOCK(row + (c + 1) * (bytes), x + (c + 1) * 32, sums[c + 1], with_minimum, &odd, &constant_odd);           \
+    }                                                                                                               \
+    if (c < blocks) BLOCK(row + c * (bytes), x + c * 32, sums[c], with_minimum, &even, &constant_even);             \
+    return f32x16_sum(f32x16_add(even, odd)) + (constant_even + constant_odd);
+
 WIDE static inline float row_dot_q4_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
                                          int with_minimum) {
-    f32x16 even = f32x16_zero(), odd = f32x16_zero();
-    float constant_even = 0.0f, constant_odd = 0.0f;
-    const int64_t bytes = with_minimum ? 20 : 18;
-    int64_t c = 0;
-    for (; c + 2 <= blocks; c += 2) {
-        block_q4_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
-        block_q4_wide(row + (c + 1) * bytes, x + (c + 1) * 32, sums[c + 1], with_minimum, &odd, &constant_odd);
-    }
-    if (c < blocks) block_q4_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
-    return f32x16_sum(f32x16_add(even, odd)) + (constant_even + constant_odd);
+    EVEN_AND_ODD_BLOCKS(block_q4_wide, with_minimum ? 20 : 18)
 }
 
 /* One Q5_0/Q5_1 block, as block_q4_wide. */
@@ -420,16 +437,7 @@ WIDE static inline void block_q5_wide(const uint8_t *b, const float *xs, float s
 
 WIDE static inline float row_dot_q5_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums,
                                          int with_minimum) {
-    f32x16 even = f32x16_zero(), odd = f32x16_zero();
-    float constant_even = 0.0f, constant_odd = 0.0f;
-    const int64_t bytes = with_minimum ? 24 : 22;
-    int64_t c = 0;
-    for (; c + 2 <= blocks; c += 2) {
-        block_q5_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
-        block_q5_wide(row + (c + 1) * bytes, x + (c + 1) * 32, sums[c + 1], with_minimum, &odd, &constant_odd);
-    }
-    if (c < blocks) block_q5_wide(row + c * bytes, x + c * 32, sums[c], with_minimum, &even, &constant_even);
-    return f32x16_sum(f32x16_add(even, odd)) + (constant_even + constant_odd);
+    EVEN_AND_ODD_BLOCKS(block_q5_wide, with_minimum ? 24 : 22)
 }
 
 WIDE static inline float row_dot_q8_wide(const uint8_t *row, int64_t blocks, const float *x) {
@@ -540,6 +548,67 @@ WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, co
     return f32x16_sum(f32x16_add(acc, odd)) - 32.0f * f32x16_sum(shifts);
 }
 
+/* block_weights in 16-lane vectors for the types of Q4_K_M and Q5_K_M files (the same products and sums, so the same
+ * bits: gguf_dequantize's test checks them against gguf-py), the others by block_weights. */
+WIDE static void block_weights_wide(int type, const uint8_t *b, float *weights) {
+    const i32x16 nibble = i32x16_splat(15);
+    switch (type) {
+    case GGUF_Q4_K: {
+        uint32_t packed[4];
+        scales_mins_k4(b + 4, packed);
+        float scale[8], minimum[8];
+        f32x8_store(scale, f32x8_mul(f32x8_splat(half_at(b)), i32x8_to_floats(i32x8_from_u8(u8x16_load8(packed)))));
+        f32x8_store(minimum, f32x8_mul(f32x8_splat(half_at(b + 2)),
+                                       i32x8_to_floats(i32x8_from_u8(u8x16_load8(packed + 2)))));
+        for (int pair = 0; pair < 4; pair++)
+            for (int half = 0; half < 2; half++) {  /* bytes 16 half .. of the pair's 32: elements 16 half .. */
+                const i32x16 bytes16 = i32x16_from_u8(u8x16_load(b + 16 + 32 * pair + 16 * half));
+                const int low = 2 * pair, high = 2 * pair + 1;
+                f32x16_store(weights + 32 * low + 16 * half,
+                             f32x16_sub(f32x16_mul(f32x16_splat(scale[low]), i32x16_to_floats(i32x16_and(bytes16, nibble))),
+                                        f32x16_splat(minimum[low])));
+                f32x16_store(weights + 32 * high + 16 * half,
+                             f32x16_sub(f32x16_mul(f32x16_splat(scale[high]),
+                                                   i32x16_to_floats(i32x16_shift_right(bytes16, 4))),
+                                        f32x16_splat(minimum[high])));
+            }
+        return;
+    }
+    case GGUF_Q6_K: {
+        float scale[16];
+        f32x16_store(scale, f32x16_mul(f32x16_splat(half_at(b + 208)), f32x16_from_i8(u8x16_load(b + 192))));
+        const i32x16 three = i32x16_splat(3), minus32 = i32x16_splat(-32);
+        for (int n = 0; n < 2; n++) {
+            const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
+            for (int half = 0; half < 2; half++) {
+                const i32x16 pairs = i32x16_from_u8(u8x16_load(qh + 16 * half));
+                const i32x16 first = i32x16_from_u8(u8x16_load(ql + 16 * half)),
+                             second = i32x16_from_u8(u8x16_load(ql + 32 + 16 * half));
+                const i32x16 codes[4] = {
+                    i32x16_add(i32x16_and(first, nibble), i32x16_shift_left(i32x16_and(pairs, three), 4)),
+                    i32x16_add(i32x16_and(second, nibble), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 2), three), 4)),
+                    i32x16_add(i32x16_shift_right(first, 4), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 4), three), 4)),
+                    i32x16_add(i32x16_shift_right(second, 4), i32x16_shift_left(i32x16_shift_right(pairs, 6), 4)),
+                };
+                for (int quarter = 0; quarter < 4; quarter++) {
+                    const int g = 8 * n + 2 * quarter + half;
+                    const f32x16 centred = i32x16_to_floats(i32x16_add(codes[quarter], minus32));
+                    f32x16_store(weights + 128 * n + 32 * quarter + 16 * half, f32x16_mul(f32x16_splat(scale[g]), centred));
+                }
+            }
+        }
+        return;
+    }
+    case GGUF_Q8_0: {
+        const f32x16 d = f32x16_splat(half_at(b));
+        f32x16_store(weights, f32x16_mul(d, f32x16_from_i8(u8x16_load(b + 2))));
+        f32x16_store(weights + 16, f32x16_mul(d, f32x16_from_i8(u8x16_load(b + 18))));
+        return;
+    }
+    }
+    block_weights(type, b, weights);
+}
+
 /* Whether a type has a one-row form (row_dot_* below). */
 static int has_row_dot(int type) {
     return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q5_0 || type == GGUF_Q5_1 || type == GGUF_Q8_0
@@ -582,24 +651,19 @@ static void one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, in
 /* The loop over outputs for several rows of activations, in vectors V (f32x8 or f32x16) of LANES floats: per
  * output, per block, its weights made once (as gguf_dequantize gives them), then the rows' products two rows at a
  * time (each weight vector loaded once for both), two chains of FMAs a row. */
-#define SEVERAL_ROWS_LOOP(V, LANES)                                                                                  \
+#define SEVERAL_ROWS_LOOP(V, LANES, WEIGHTS)                                                                         \
     int64_t elements, bytes, group;                                                                                 \
     gguf_block_form(type, &elements, &bytes, &group);                                                               \
-    const int64_t per_row = k / elements, groups = elements / group;                                                \
+    const int64_t per_row = k / elements;                                                                           \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
     for (int64_t out = 0; out < n; out++) {                                                                         \
-        float code[MOST_ELEMENTS], scale[MOST_GROUPS], offset[MOST_GROUPS];                                         \
+        float code[MOST_ELEMENTS];                                                                                  \
         V chains[SNAPKV_MAX_ROWS][2];                                                                               \
         for (int64_t r = 0; r < rows; r++) chains[r][0] = chains[r][1] = V##_zero();                               \
         const uint8_t *row = w + out * row_bytes;                                                                   \
         if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);         \
         for (int64_t c = 0; c < per_row; c++) {                                                                     \
-            const int offsets = unpack_block(type, row + c * bytes, code, scale, offset);                           \
-            for (int64_t g = 0; g < groups; g++)                                                                    \
-                for (int64_t i = g * group; i < (g + 1) * group; i += LANES) {                                      \
-                    const V scaled = V##_mul(V##_splat(scale[g]), V##_load(code + i));                              \
-                    V##_store(code + i, offsets ? V##_add(scaled, V##_splat(offset[g])) : scaled);                 \
-                }                                                                                                   \
+            WEIGHTS(type, row + c * bytes, code);                                                                   \
             int64_t r = 0;                                                                                          \
             for (; r + 2 <= rows; r += 2) {                                                                         \
                 const float *x0 = x + r * k + c * elements, *x1 = x0 + k;                                           \
@@ -629,13 +693,13 @@ static void one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, in
 /* y (rows, n) = x (rows, k) @ W^T for rows > 1, 16 floats a vector (AVX-512 in the avx512 build). */
 WIDE static void several_rows_wide(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t rows, int64_t n,
                                    const float *x, float *y, int threads) {
-    SEVERAL_ROWS_LOOP(f32x16, 16)
+    SEVERAL_ROWS_LOOP(f32x16, 16, block_weights_wide)
 }
 
 /* The same, 8 floats a vector (every build). */
 static void several_rows(int type, const uint8_t *w, int64_t row_bytes, int64_t k, int64_t rows, int64_t n,
                          const float *x, float *y, int threads) {
-    SEVERAL_ROWS_LOOP(f32x8, 8)
+    SEVERAL_ROWS_LOOP(f32x8, 8, block_weights)
 }
 
 /* y (rows, n) = x (rows, k) @ W^T, W (n, k) in `type` blocks, each output's row `row_bytes` long; rows at most
