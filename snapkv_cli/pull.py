@@ -21,8 +21,8 @@ def pull(
     header are checked before it is kept; a file that fails either is deleted. snapkv reads the file in its own
     blocks (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0 files): memory is about the file's size.
     """
-    from snapkv.io.download import pull as fetch
-    from snapkv.io.download import resolve
+    from snapkv.engine.pull import pull as fetch
+    from snapkv.engine.pull import resolve
 
     from .consoles import stdout_console
     from .render import stderr_console

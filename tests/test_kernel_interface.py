@@ -161,7 +161,8 @@ def test_every_tensor_handed_to_c_goes_through_the_checked_helper():
 
 
 KERNEL_TESTS = ("test_block_weights.py", "test_kernel_references.py", "test_native_decode.py", "test_dense_weights.py",
-                "test_coded_attention.py", "test_tiers.py", "test_engine.py", "test_config_and_scoring.py")
+                "test_coded_attention.py", "test_tiers.py", "test_engine.py", "test_config_and_scoring.py",
+                "test_gguf_blocks.py", "test_gguf_models.py")
 
 
 @pytest.mark.slow

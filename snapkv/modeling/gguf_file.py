@@ -16,8 +16,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from snapkv.base.errors import ModelFileError
 
 MAGIC = b"GGUF"
@@ -216,14 +214,19 @@ class GGUFFile:
             raise reader.fail(f"tensor {name}'s rows of {sizes[0]} are not whole blocks of {elements}")
         return name, type_id, tuple(reversed(sizes)), offset
 
-    def tensor_bytes(self, name: str) -> torch.Tensor:
-        """The tensor's data as a uint8 view of the mapping, (rows, row bytes) with rows every outer dimension."""
+    def tensor_bytes(self, name: str):
+        """The tensor's data as a uint8 view of the mapping (a torch.Tensor), (rows, row bytes) with rows every outer
+        dimension. torch is imported here, not with the module: `snapkv models` reads metadata without it."""
+        import torch
+
         info = self.tensors[name]
         flat = torch.frombuffer(self._data, dtype=torch.uint8, count=info.nbytes, offset=info.offset)
         return flat.view(-1, info.row_bytes)
 
-    def tensor_values(self, name: str) -> torch.Tensor:
-        """A small F32, F16 or BF16 tensor (a norm, a bias) as fp32 values, a copy, in its shape."""
+    def tensor_values(self, name: str):
+        """A small F32, F16 or BF16 tensor (a norm, a bias) as fp32 values (a torch.Tensor), a copy, in its shape."""
+        import torch
+
         info = self.tensors[name]
         dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
         if info.type_name not in dtypes:
