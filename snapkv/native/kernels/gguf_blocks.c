@@ -548,8 +548,9 @@ WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, co
     return f32x16_sum(f32x16_add(acc, odd)) - 32.0f * f32x16_sum(shifts);
 }
 
-/* block_weights in 16-lane vectors for the types of Q4_K_M and Q5_K_M files (the same products and sums, so the same
- * bits: gguf_dequantize's test checks them against gguf-py), the others by block_weights. */
+/* block_weights in 16-lane vectors for the types of Q4_K_M files (Q4_K, Q6_K, Q8_0, Q5_0) and Q4_0 (the same
+ * products and sums, so the same bits: gguf_dequantize's test checks them against gguf-py), the others by
+ * block_weights. */
 WIDE static void block_weights_wide(int type, const uint8_t *b, float *weights) {
     const i32x16 nibble = i32x16_splat(15);
     switch (type) {
@@ -603,6 +604,26 @@ WIDE static void block_weights_wide(int type, const uint8_t *b, float *weights) 
         const f32x16 d = f32x16_splat(half_at(b));
         f32x16_store(weights, f32x16_mul(d, f32x16_from_i8(u8x16_load(b + 2))));
         f32x16_store(weights + 16, f32x16_mul(d, f32x16_from_i8(u8x16_load(b + 18))));
+        return;
+    }
+    case GGUF_Q4_0:
+    case GGUF_Q5_0: {  /* d * (q - 8), d * (q - 16): q with its fifth bit from 32 bits, element j's bit j */
+        const int five = type == GGUF_Q5_0;
+        const i32x16 q = i32x16_from_u8(u8x16_load(b + (five ? 6 : 2)));
+        i32x16 low = i32x16_and(q, nibble), upper = i32x16_shift_right(q, 4);
+        if (five) {
+            const i32x16 lanes = i32x16_of(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), one = i32x16_splat(1);
+            uint32_t bits;
+            memcpy(&bits, b + 2, 4);
+            low = i32x16_add(low, i32x16_shift_left(
+                i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)bits), lanes), one), 4));
+            upper = i32x16_add(upper, i32x16_shift_left(
+                i32x16_and(i32x16_shift_right_each(i32x16_splat((int32_t)(bits >> 16)), lanes), one), 4));
+        }
+        const i32x16 shift = i32x16_splat(five ? -16 : -8);
+        const f32x16 d = f32x16_splat(half_at(b));
+        f32x16_store(weights, f32x16_mul(d, i32x16_to_floats(i32x16_add(low, shift))));
+        f32x16_store(weights + 16, f32x16_mul(d, i32x16_to_floats(i32x16_add(upper, shift))));
         return;
     }
     }
