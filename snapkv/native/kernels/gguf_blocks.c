@@ -512,10 +512,22 @@ WIDE static inline float row_dot_k45_wide(const uint8_t *row, int64_t blocks, co
     return f32x16_sum(f32x16_add(acc, odd)) - f32x8_sum(minimums);
 }
 
+/* Q6_K's 6-bit codes (0..63) of elements 16 half .. 16 half + 15 of each quarter of 128 elements (ql: its 64 bytes
+ * of low nibbles, qh: its 32 bytes of 2-bit pairs): codes[quarter], 16 lanes each. */
+WIDE static inline void q6k_codes_wide(const uint8_t *ql, const uint8_t *qh, int half, i32x16 codes[4]) {
+    const i32x16 nibble = i32x16_splat(15), three = i32x16_splat(3);
+    const i32x16 pairs = i32x16_from_u8(u8x16_load(qh + 16 * half));
+    const i32x16 first = i32x16_from_u8(u8x16_load(ql + 16 * half)),
+                 second = i32x16_from_u8(u8x16_load(ql + 32 + 16 * half));
+    codes[0] = i32x16_add(i32x16_and(first, nibble), i32x16_shift_left(i32x16_and(pairs, three), 4));
+    codes[1] = i32x16_add(i32x16_and(second, nibble), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 2), three), 4));
+    codes[2] = i32x16_add(i32x16_shift_right(first, 4), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 4), three), 4));
+    codes[3] = i32x16_add(i32x16_shift_right(second, 4), i32x16_shift_left(i32x16_shift_right(pairs, 6), 4));
+}
+
 WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, const float *x, const float *sums) {
     f32x16 acc = f32x16_zero(), odd = f32x16_zero();  /* two chains of FMAs */
     f32x16 shifts = f32x16_zero();                    /* the -32's share, per group lane */
-    const i32x16 three = i32x16_splat(3), nibble = i32x16_splat(15);
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * 210;
         float scale[16];
@@ -526,15 +538,8 @@ WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, co
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
             for (int half = 0; half < 2; half++) {  /* l in 16 half .. 16 half + 15 */
-                const i32x16 pairs = i32x16_from_u8(u8x16_load(qh + 16 * half));
-                const i32x16 first = i32x16_from_u8(u8x16_load(ql + 16 * half)),
-                             second = i32x16_from_u8(u8x16_load(ql + 32 + 16 * half));
-                const i32x16 codes[4] = {
-                    i32x16_add(i32x16_and(first, nibble), i32x16_shift_left(i32x16_and(pairs, three), 4)),
-                    i32x16_add(i32x16_and(second, nibble), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 2), three), 4)),
-                    i32x16_add(i32x16_shift_right(first, 4), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 4), three), 4)),
-                    i32x16_add(i32x16_shift_right(second, 4), i32x16_shift_left(i32x16_shift_right(pairs, 6), 4)),
-                };
+                i32x16 codes[4];
+                q6k_codes_wide(ql, qh, half, codes);
                 for (int quarter = 0; quarter < 4; quarter++) {
                     const int g = 8 * n + 2 * quarter + half;
                     const f32x16 dot = f32x16_mul(i32x16_to_floats(codes[quarter]),
@@ -578,19 +583,12 @@ WIDE static void block_weights_wide(int type, const uint8_t *b, float *weights) 
     case GGUF_Q6_K: {
         float scale[16];
         f32x16_store(scale, f32x16_mul(f32x16_splat(half_at(b + 208)), f32x16_from_i8(u8x16_load(b + 192))));
-        const i32x16 three = i32x16_splat(3), minus32 = i32x16_splat(-32);
+        const i32x16 minus32 = i32x16_splat(-32);
         for (int n = 0; n < 2; n++) {
             const uint8_t *ql = b + 64 * n, *qh = b + 128 + 32 * n;
             for (int half = 0; half < 2; half++) {
-                const i32x16 pairs = i32x16_from_u8(u8x16_load(qh + 16 * half));
-                const i32x16 first = i32x16_from_u8(u8x16_load(ql + 16 * half)),
-                             second = i32x16_from_u8(u8x16_load(ql + 32 + 16 * half));
-                const i32x16 codes[4] = {
-                    i32x16_add(i32x16_and(first, nibble), i32x16_shift_left(i32x16_and(pairs, three), 4)),
-                    i32x16_add(i32x16_and(second, nibble), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 2), three), 4)),
-                    i32x16_add(i32x16_shift_right(first, 4), i32x16_shift_left(i32x16_and(i32x16_shift_right(pairs, 4), three), 4)),
-                    i32x16_add(i32x16_shift_right(second, 4), i32x16_shift_left(i32x16_shift_right(pairs, 6), 4)),
-                };
+                i32x16 codes[4];
+                q6k_codes_wide(ql, qh, half, codes);
                 for (int quarter = 0; quarter < 4; quarter++) {
                     const int g = 8 * n + 2 * quarter + half;
                     const f32x16 centred = i32x16_to_floats(i32x16_add(codes[quarter], minus32));
