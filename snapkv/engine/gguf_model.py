@@ -33,6 +33,8 @@ LAYER_TENSORS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj", "ffn_up.weight": "mlp.up_proj", "ffn_down.weight": "mlp.down_proj",
 }
+# norms and biases first, then the projections, which take the biases already set on their places
+VALUES_FIRST = sorted(LAYER_TENSORS.items(), key=lambda item: not item[1].endswith((".weight", ".bias")))
 
 
 @dataclass
@@ -47,8 +49,10 @@ class GGUFModel:
 
     @property
     def block_bytes(self) -> int:
-        return sum(module.matrix.nbytes for module in self.model.modules()
-                   if isinstance(module, (GGUFLinear, GGUFEmbedding)))
+        """The blocks the model reads, each once (a tied head reads the embeddings' own)."""
+        matrices = {module.matrix.blocks.data_ptr(): module.matrix.nbytes for module in self.model.modules()
+                    if isinstance(module, (GGUFLinear, GGUFEmbedding))}
+        return sum(matrices.values())
 
     def describe(self) -> str:
         """The weights in words, for reports: "196 linear layers in the file's own blocks (Q4_K, Q6_K), 1.0 GiB"."""
@@ -109,13 +113,12 @@ def _set(model: torch.nn.Module, path: str, module: torch.nn.Module) -> None:
 def _set_values(model: torch.nn.Module, path: str, values: torch.Tensor) -> None:
     """A parameter (a norm's weight, a bias) given its values; its shape must be the config's."""
     parent_path, _, name = path.rpartition(".")
-    parent = model.get_submodule(parent_path)
-    current = getattr(parent, name)
+    current = getattr(model.get_submodule(parent_path), name)  # None where the config gives no bias
     if current is None or tuple(current.shape) != tuple(values.shape):
         expected = None if current is None else list(current.shape)
         raise ModelFileError(f"{path}: the file gives {list(values.shape)} values where the model's config needs "
                              f"{expected}")
-    setattr(parent, name, torch.nn.Parameter(values, requires_grad=False))
+    _set(model, path, torch.nn.Parameter(values, requires_grad=False))
 
 
 def load_gguf(path: Path, attn_implementation: str, on_progress: Callable[[int, int], None] | None = None) -> GGUFModel:
@@ -136,8 +139,7 @@ def load_gguf(path: Path, attn_implementation: str, on_progress: Callable[[int, 
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     for index in range(config.num_hidden_layers):
         layer = f"model.layers.{index}"
-        values_first = sorted(LAYER_TENSORS.items(), key=lambda item: not item[1].endswith((".weight", ".bias")))
-        for gguf_name, module_path in values_first:  # norms and biases, then the projections that take the biases
+        for gguf_name, module_path in VALUES_FIRST:
             name, target = f"blk.{index}.{gguf_name}", f"{layer}.{module_path}"
             if name not in file.tensors:
                 continue
@@ -202,8 +204,7 @@ def random_blocks_model(config, attn_implementation: str, type_name: str, seed: 
     model.set_input_embeddings(GGUFEmbedding(table))
     for path, parameter in list(model.named_parameters()):
         if parameter.is_meta:  # norms and biases
-            parent_path, _, name = path.rpartition(".")
-            filled = torch.zeros(parameter.shape) if name == "bias" else torch.ones(parameter.shape)
-            setattr(model.get_submodule(parent_path), name, torch.nn.Parameter(filled, requires_grad=False))
+            filled = torch.zeros(parameter.shape) if path.endswith(".bias") else torch.ones(parameter.shape)
+            _set(model, path, torch.nn.Parameter(filled, requires_grad=False))
     _rebuild_buffers(model)
     return model.eval()

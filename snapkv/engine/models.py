@@ -285,6 +285,12 @@ def load_model(spec: str | None = None, device: str = "auto", dtype: str = "auto
     return LoadedModel(model, tokenizer, name, torch_device, torch_dtype, weights, prefill_dtype)
 
 
+def _blocks_prefill_dtype(dtype: str) -> torch.dtype | None:
+    """The prefill's tiles' dtype for weights in GGUF blocks (decoded in fp32 either way): bf16 where asked, or under
+    auto where the CPU has bf16 units; else None (fp32 tiles)."""
+    return torch.bfloat16 if dtype in ("bfloat16", "bf16") or (dtype == "auto" and cpu_has_bf16_units()) else None
+
+
 def _load_gguf(name: str, path: Path, device: torch.device, dtype: str, device_map: str | None,
                on_convert: Callable[[int, int], None] | None) -> LoadedModel:
     """A user's GGUF file, its weights read in the file's own blocks where it is mapped (snapkv.engine.gguf_model):
@@ -302,11 +308,10 @@ def _load_gguf(name: str, path: Path, device: torch.device, dtype: str, device_m
                           f"({reason})")
     if dtype not in ("auto", "float32", "fp32", "bfloat16", "bf16"):
         raise ConfigError(f"{path.name}: --dtype {dtype} is not one a GGUF file runs in: use auto, float32 or bfloat16")
-    prefill_dtype = (torch.bfloat16 if dtype in ("bfloat16", "bf16") or (dtype == "auto" and cpu_has_bf16_units())
-                     else None)
     loaded = load_gguf(path, pick_attention(device), on_convert)
     check_supported(loaded.model)
-    result = LoadedModel(loaded.model, loaded.tokenizer, name, device, torch.float32, loaded.describe(), prefill_dtype)
+    result = LoadedModel(loaded.model, loaded.tokenizer, name, device, torch.float32, loaded.describe(),
+                         _blocks_prefill_dtype(dtype))
     result.__dict__["gguf"] = loaded  # the mapped file lives as long as the model
     return result
 
@@ -409,9 +414,8 @@ def _random_blocks_model(config, stem: str, device: torch.device, dtype: str, to
     except ValueError as error:
         raise ConfigError(f"--weight-blocks {type_name}: {error}") from error
     check_supported(model)
-    prefill_dtype = torch.bfloat16 if dtype in ("bfloat16", "bf16") or (dtype == "auto" and cpu_has_bf16_units()) else None
     return LoadedModel(model, _tokenizer_for(tokenizer), f"{stem} (random {type_name} blocks)", device, torch.float32,
-                       f"random {type_name} blocks, {needed / 2**30:.2f} GiB", prefill_dtype)
+                       f"random {type_name} blocks, {needed / 2**30:.2f} GiB", _blocks_prefill_dtype(dtype))
 
 
 class ModelPool:
