@@ -50,8 +50,8 @@ class GGUFModel:
     @property
     def block_bytes(self) -> int:
         """The blocks the model reads, each once (a tied head reads the embeddings' own)."""
-        matrices = {module.matrix.blocks.data_ptr(): module.matrix.nbytes for module in self.model.modules()
-                    if isinstance(module, (GGUFLinear, GGUFEmbedding))}
+        matrices = {id(module.matrix): module.matrix.nbytes for module in self.model.modules()
+                    if isinstance(module, (GGUFLinear, GGUFEmbedding))}  # a tied head holds the same matrix object
         return sum(matrices.values())
 
     def describe(self) -> str:
