@@ -64,7 +64,7 @@ LINEAR_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "sel
 def write_tiny_gguf(path: Path, model: torch.nn.Module, architecture: str, types: dict[str, str],
                     tokenizer_from: Path, seed: int = 0) -> torch.nn.Module:
     """Write `model` (a tiny transformers model, its vocabulary the size of tokenizer_from's) to `path` as a GGUF of
-    `architecture` ("llama" or "qwen2"), each projection in types[its llama.cpp name] (default Q8_0), the embeddings
+    `architecture` ("llama", "qwen2" or "qwen3"), each projection in types[its llama.cpp name] (default Q8_0), the embeddings
     in types["token_embd"], norms and biases F32, and the tokenizer, chat template and special tokens copied from the
     GGUF file tokenizer_from. The model's weights are replaced by the values the file stands for (the reference the
     file's model must match) and the model is returned."""
@@ -79,6 +79,9 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, architecture: str, types
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     meta = source.metadata
@@ -119,6 +122,9 @@ def write_tiny_gguf(path: Path, model: torch.nn.Module, architecture: str, types
         for index, layer in enumerate(model.model.layers):
             values(f"blk.{index}.attn_norm.weight", layer.input_layernorm.weight)
             values(f"blk.{index}.ffn_norm.weight", layer.post_attention_layernorm.weight)
+            if getattr(layer.self_attn, "q_norm", None) is not None:  # Qwen3: each q and k head RMS-normed
+                values(f"blk.{index}.attn_q_norm.weight", layer.self_attn.q_norm.weight)
+                values(f"blk.{index}.attn_k_norm.weight", layer.self_attn.k_norm.weight)
             for module_path, short in LINEAR_NAMES.items():
                 linear = layer.get_submodule(module_path)
                 permuted = {"attn_q": heads, "attn_k": kv_heads}.get(short) if architecture == "llama" else None

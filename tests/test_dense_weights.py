@@ -62,17 +62,26 @@ def test_fusing_points_each_projection_at_its_rows_and_changes_no_logit():
     assert fuse_dense(model) == 0  # already fused
 
 
-def test_projections_with_biases_are_left_as_they_are():
-    model = build_tiny("qwen2")  # q/k/v with biases, gate/up without
-    fuse_dense(model)
+def test_projections_with_biases_are_fused_and_keep_their_biases():
+    """Qwen2's q/k/v with biases: their weights fused like any others, each bias left on its Linear (the C step adds
+    them apart, native_decode._qkv_bias); the model's outputs unchanged."""
+    model = build_tiny("qwen2").to(torch.bfloat16)  # q/k/v with biases, gate/up without
+    tokens = ids(20, 3).unsqueeze(0)
+    with torch.inference_mode():
+        before = model(tokens).logits
+    biases = [model.model.layers[0].self_attn.q_proj.bias.clone()]
+    assert fuse_dense(model) == 2 * len(model.model.layers)
     layer = model.model.layers[0]
-    assert fused_dense(layer.self_attn, lean_decode.QKV) is None
-    assert fused_dense(layer.mlp, lean_decode.GATE_UP) is not None
+    assert fused_dense(layer.self_attn, lean_decode.QKV) is not None
+    assert torch.equal(layer.self_attn.q_proj.bias, biases[0])
+    with torch.inference_mode():
+        assert torch.equal(model(tokens).logits, before)
+    assert native_decode._model_layers(model).layers[0].qkv_bias is not None
 
 
-def twins(dtype: torch.dtype):
+def twins(dtype: torch.dtype, name: str = "llama-gqa"):
     """A tiny model in `dtype` with fused plain weights, and its twin in fp32 holding the very same values."""
-    model = build_tiny("llama-gqa").to(dtype)
+    model = build_tiny(name).to(dtype)
     twin = copy.deepcopy(model).float()
     fuse_dense(model)
     return model, twin
@@ -91,12 +100,14 @@ def after_question(model, room: int, dtype: torch.dtype):
     return working, reference
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_plain_weights_step_is_the_lean_fp32_step_over_the_same_values(dtype):
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "llama-gqa"), (torch.float32, "llama-gqa"),
+                                         (torch.bfloat16, "qwen2"), (torch.bfloat16, "qwen3")])
+def test_a_plain_weights_step_is_the_lean_fp32_step_over_the_same_values(dtype, name):
     """The C step over bf16 (or fp32) rows, reading the model's cache where it is (bf16 widened exactly), against the
     lean step of an fp32 twin holding the same weights over the same cache in fp32: logits within fp32 rounding, token
-    after token, and the keys and values it wrote (fp32, the answer's own)."""
-    model, twin = twins(dtype)
+    after token, and the keys and values it wrote (fp32, the answer's own); a Llama, Qwen2 (biases) and Qwen3 (q and k
+    norms)."""
+    model, twin = twins(dtype, name)
     working, reference = after_question(model, room=8, dtype=torch.float32)
     stepper = native_decode.for_cache(model, working, PROMPT + QUESTION, 8)
     assert stepper is not None

@@ -1,4 +1,4 @@
-"""A GGUF file's model read in its own blocks (snapkv.engine.gguf_model): tiny Llama and Qwen2 models written as llama.cpp
+"""A GGUF file's model read in its own blocks (snapkv.engine.gguf_model): tiny Llama, Qwen2 and Qwen3 models written as llama.cpp
 writes them, every block type among their matrices, computing what their weights stand for; their answers through the
 native engine (C question pass and steps) token for token the torch engine's; and files that disagree with their own
 config refused with a message and an exit code."""
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from gguf_samples import write_tiny_gguf
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from snapkv import native
 from snapkv.base.errors import ModelFileError
@@ -33,6 +33,9 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                                  tie_word_embeddings=True),
+    "qwen3": lambda: Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                                 max_position_embeddings=4096, tie_word_embeddings=True),
 }
 
 
@@ -49,10 +52,14 @@ def written(tmp_path_factory):
         for architecture, config in CONFIGS.items():
             torch.manual_seed(0)
             model = AutoModelForCausalLM.from_config(config(), attn_implementation="sdpa").eval()
-            if architecture == "qwen2":  # biases large enough to matter
-                for layer in model.model.layers:
-                    for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            for layer in model.model.layers:
+                attention = layer.self_attn
+                if architecture == "qwen2":  # biases large enough to matter
+                    for linear in (attention.q_proj, attention.k_proj, attention.v_proj):
                         torch.nn.init.normal_(linear.bias, std=0.3)
+                if architecture == "qwen3":  # norms of each q and k head, not all ones
+                    for norm in (attention.q_norm, attention.k_norm):
+                        torch.nn.init.normal_(norm.weight, mean=1.0, std=0.3)
             path = folder / f"tiny-{architecture}.gguf"
             write_tiny_gguf(path, model, architecture, TYPES, embedded_gguf_path())
             load_gguf(path, "sdpa")  # the config and tokenizer converted once, here
@@ -81,7 +88,7 @@ def test_the_file_is_read_in_its_own_blocks_and_computes_what_its_weights_stand_
     assert {module.matrix.type_name for module in linears} >= {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0", "Q4_1", "Q8_0"}
     assert isinstance(model.get_input_embeddings(), GGUFEmbedding)
     assert not [name for name, parameter in model.named_parameters() if parameter.dim() > 1]  # no dense matrix at all
-    if architecture == "qwen2":  # tied: the head reads the embeddings' own blocks
+    if architecture != "llama":  # tied: the head reads the embeddings' own blocks
         assert model.lm_head.matrix.blocks.data_ptr() == model.get_input_embeddings().matrix.blocks.data_ptr()
     ids = _ids(40, 1).unsqueeze(0)
     with torch.no_grad():
@@ -94,7 +101,7 @@ def test_the_file_is_read_in_its_own_blocks_and_computes_what_its_weights_stand_
 def test_answers_run_native_and_are_the_torch_engines_token_for_token(architecture, gguf_home, monkeypatch):
     path, _ = gguf_home[architecture]
     model = load_gguf(path, "sdpa").model
-    assert native_decode.question_layers(model) is not None  # biases, tied head, parts of other types: all in C
+    assert native_decode.question_layers(model) is not None  # biases, q/k norms, tied head, parts' types: all in C
     cache = prefill(model, _ids(300, 2), None)
     steps = []
     real_step = native_decode.NativeDecoder.step

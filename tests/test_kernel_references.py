@@ -181,11 +181,12 @@ class _References:
         return getattr(self._library, name)
 
 
-@pytest.mark.parametrize("weights", ["blocks", "bf16"])
+@pytest.mark.parametrize("weights", ["blocks", "bf16", "qwen2", "qwen3"])
 def test_a_decoded_token_and_a_questions_layers_give_their_references_values(weights, monkeypatch):
     """decode_token, question_before_attention and question_after_attention through the native engine on a tiny
-    model (4/8-bit blocks; or bf16 rows, read by the dense kernels, over its bf16 cache), against the same steps with
-    every kernel answered by its reference: logits within fp32 rounding, token after token, and the same answer."""
+    model (4/8-bit blocks, a Llama or Qwen2 with its q/k/v biases or Qwen3 with its q and k norms; or bf16 rows, read by
+    the dense kernels, over its bf16 cache), against the same steps with every kernel answered by its reference:
+    logits within fp32 rounding, token after token, and the same answer."""
     import test_dense_weights
     import test_native_decode
     from snapkv.compression.config import Cut
@@ -193,8 +194,9 @@ def test_a_decoded_token_and_a_questions_layers_give_their_references_values(wei
     from snapkv.engine.generation import answer, prefill
 
     prompt, question = test_native_decode.PROMPT, test_native_decode.QUESTION
-    if weights == "blocks":
-        model = test_native_decode.on_blocks(num_attention_heads=4, num_key_value_heads=2)
+    if weights != "bf16":
+        model = (test_native_decode.on_blocks(num_attention_heads=4, num_key_value_heads=2) if weights == "blocks"
+                 else test_native_decode.on_blocks(weights))
         question_pass = lambda: test_native_decode.after_question(model, room=6)[1]  # noqa: E731
     else:
         model, _ = test_dense_weights.twins(torch.bfloat16)
@@ -214,7 +216,7 @@ def test_a_decoded_token_and_a_questions_layers_give_their_references_values(wei
     (kernel_logits, kernel_tokens), (reference_logits, reference_tokens) = found
     # a bf16 model's question pass is PyTorch's, its logits final_logits' (the head's product inside it matmul_dense's)
     expected = {"decode_token", "final_logits"} | (
-        {"question_before_attention", "question_after_attention"} if weights == "blocks" else set())
+        {"question_before_attention", "question_after_attention"} if weights != "bf16" else set())
     assert expected <= references.answered
     torch.testing.assert_close(kernel_logits, reference_logits, rtol=1e-4, atol=1e-5 * reference_logits.abs().max())
     assert kernel_tokens == reference_tokens

@@ -150,9 +150,10 @@ def test_models_and_caches_it_does_not_take_stay_with_the_lean_step(monkeypatch)
     _, working = after_question(plain, room=4)
     assert lean_decode.qualifies(plain, working)
     assert native_decode.for_cache(plain, working, PROMPT + QUESTION, 4) is None
-    qwen2 = on_blocks("qwen2")  # q/k/v with biases: not fused
-    _, working = after_question(qwen2, room=4)
-    assert native_decode.for_cache(qwen2, working, PROMPT + QUESTION, 4) is None
+    gemma3 = on_blocks("gemma3")  # its own norms (1 + weight), around the MLP too: the model's forward
+    _, working = after_question(gemma3, room=4)
+    assert native_decode.for_cache(gemma3, working, PROMPT + QUESTION, 4) is None
+    assert native_decode.question_layers(gemma3) is None
     model = on_blocks()
     cache = WorkingCache.of(prefill(model, ids(PROMPT, 1), None), model.config)  # not presized: read where it is
     layers = list(cache.layers)
@@ -207,3 +208,48 @@ def test_native_question_layers_are_the_lean_pass_within_rounding(heads, monkeyp
         tokens = list(answer(model, cache, question, per_question=cut, max_new_tokens=8))
         assert len(calls) == len(model.model.layers)
         assert list(answer(model, cache, question, per_question=cut, max_new_tokens=8, engine="torch")) == tokens
+
+
+LLAMA3_ROPE = dict(rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=128))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "llama3"])
+def test_every_plain_family_runs_in_c_and_answers_as_the_torch_engine(family, monkeypatch):
+    """Each family the C step takes, on a tiny model in 4/8-bit blocks: Mistral; Qwen2 (q, k, v biases, added after
+    the fused product); Qwen3 (each q and k head RMS-normed before RoPE); Llama 3's rope scaling (positions past the
+    original 128, so the scaled frequencies matter). The question's layers and every step in C give the lean pass's
+    logits within fp32 rounding, and answer() gives the torch engine's tokens, full cache and a cut."""
+    model = on_blocks(**LLAMA3_ROPE, num_attention_heads=4, num_key_value_heads=2) if family == "llama3" else \
+        on_blocks(family)
+    layers = native_decode.question_layers(model)
+    assert layers is not None, family
+    if family == "qwen2":
+        assert native_decode._model_layers(model).layers[0].qkv_bias is not None
+    if family == "qwen3":
+        assert all(layer.q_norm and layer.k_norm for layer in native_decode._model_layers(model).layers)
+    cache = prefill(model, ids(PROMPT, 1), None)
+    question = ids(QUESTION, 2)
+    logits = {}
+    for label in ("lean", "native"):
+        working = WorkingCache.of(cache, model.config)
+        if label == "lean":
+            logits[label] = torch_question.question_pass(model, question, PROMPT, working, None)
+        else:
+            logits[label] = native_question.question_pass(model, question, PROMPT, working, None, layers)
+    assert torch.allclose(logits["native"], logits["lean"], rtol=1e-4, atol=1e-5 * logits["lean"].abs().max())
+    lean, natively = after_question(model, room=4)
+    stepper = native_decode.for_cache(model, natively, PROMPT + QUESTION, 4)
+    assert stepper is not None
+    for step, token in enumerate([5, 17, 99]):
+        position = PROMPT + QUESTION + step
+        expected = lean_decode.decode_step(model, token, position, lean)
+        assert torch.allclose(stepper.step(token, position), expected, rtol=1e-4, atol=1e-5 * expected.abs().max())
+    steps = []
+    real_step = native_decode.NativeDecoder.step
+    monkeypatch.setattr(native_decode.NativeDecoder, "step", lambda *a: steps.append(1) or real_step(*a))
+    for cut in (None, Cut(64, 8)):
+        expected = list(answer(model, cache, question, per_question=cut, max_new_tokens=16, engine="torch"))
+        steps.clear()
+        assert list(answer(model, cache, question, per_question=cut, max_new_tokens=16)) == expected
+        assert len(steps) == len(expected) - 1

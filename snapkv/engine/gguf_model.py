@@ -75,6 +75,10 @@ def config_and_tokenizer(gguf: Path, on_progress: Callable[[int, int], None] | N
 
         report(0, CONFIG_STEPS)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        metadata = GGUFFile(gguf).metadata
+        head_dim = metadata.get(f"{metadata.get('general.architecture')}.attention.key_length")
+        if isinstance(head_dim, int) and getattr(config, "head_dim", None) != head_dim:
+            config.head_dim = head_dim  # transformers reads no key_length for some (Qwen3: else its default 128)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         report(1, CONFIG_STEPS)
         config.save_pretrained(staging)

@@ -23,7 +23,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import FUSIBLE, fused_outputs
 
-PLAIN_LLAMA = ("llama", "mistral", "qwen2")
+PLAIN_LLAMA = ("llama", "mistral", "qwen2", "qwen3")  # Qwen3: a Llama with each q and k head RMS-normed
 QKV, GATE_UP = FUSIBLE  # projections read by one kernel call where their 4/8-bit blocks are fused
 
 
@@ -56,6 +56,18 @@ def rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return norm.weight * states.to(hidden.dtype)
 
 
+def head_norms(attention: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v projections (..., heads * head_dim) with each q and k head RMS-normed where the attention has norms
+    for them (Qwen3's q_norm and k_norm, as its forward applies them: before RoPE); as they are elsewhere."""
+    if getattr(attention, "q_norm", None) is None:
+        return query, key, value
+    head_dim = attention.head_dim
+    query, key = (rms_norm(norm, part.view(*part.shape[:-1], -1, head_dim)).flatten(-2)
+                  for norm, part in ((attention.q_norm, query), (attention.k_norm, key)))
+    return query, key, value
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -75,7 +87,8 @@ def decode_step(model, token: int, position: int, cache: WorkingCache) -> torch.
         shape = (1, 1, -1, attention.head_dim)
         # (1, heads, 1, head_dim) and (1, kv_heads, 1, head_dim)
         projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
-        query, key, value = (part.view(shape).transpose(1, 2) for part in projected)
+        query, key, value = (part.view(shape) for part in head_norms(attention, *projected))
+        query, key, value = (part.transpose(1, 2) for part in (query, key, value))
         query = (query * cos) + (rotate_half(query) * sin)
         key = (key * cos) + (rotate_half(key) * sin)
         keys, values = cache.update(key, value, attention.layer_idx)

@@ -259,6 +259,15 @@ def _qkv_bias(attention: torch.nn.Module, kept: list) -> int | None:
     return native.pointer(bias, torch.float32)
 
 
+def _head_norms(attention: torch.nn.Module) -> tuple | None:
+    """An attention's RMSNorms of each q and k head (Qwen3) as (q_norm, k_norm), () where it has neither, None where
+    it has only one or they are norms of another kind (Gemma 3's, which scale by 1 + weight)."""
+    found = tuple(getattr(attention, name, None) for name in ("q_norm", "k_norm"))
+    if found == (None, None):
+        return ()
+    return found if all(type(norm).__name__ == "Qwen3RMSNorm" for norm in found) else None
+
+
 def _dense_matrix(weight: torch.Tensor) -> native.BlockMatrix:
     outputs, inputs = weight.shape
     return native.BlockMatrix(DENSE_DTYPES[weight.dtype], native.pointer(weight, weight.dtype), None, None, outputs,
@@ -294,19 +303,23 @@ def _model_layers(model) -> ModelLayers | None:
                             for parent, names in ((attention, lean_decode.QKV), (mlp, lean_decode.GATE_UP)))
             o, down = (_c_matrix(_plain_blocks(linear), plain_weight(linear))
                        for linear in (attention.o_proj, mlp.down_proj))
-            bias = None
-        if any(getattr(attention, name, None) is not None for name in ("q_norm", "k_norm")):
-            return None  # Qwen3's and Gemma 3's norms of q and k: the lean step
+            bias = _qkv_bias(attention, kept) if qkv is not None else None
         matrices = (qkv, o, gate_up, down)
         norms = (decoder_layer.input_layernorm, decoder_layer.post_attention_layernorm)
-        if (None in matrices or any(norm.weight.dtype not in DENSE_DTYPES for norm in norms)
-                or norms[0].variance_epsilon != decoder_layers[0].input_layernorm.variance_epsilon
-                or norms[1].variance_epsilon != norms[0].variance_epsilon):
+        head_norms = _head_norms(attention)  # Qwen3's norms of each q and k head; () where there are none
+        biased_mlp = any(getattr(mlp, name).bias is not None for name in lean_decode.GATE_UP)  # not in the C step
+        if head_norms is None or biased_mlp or None in matrices or any(
+                norm.weight.dtype not in DENSE_DTYPES
+                or getattr(norm, "variance_epsilon", None) != decoder_layers[0].input_layernorm.variance_epsilon
+                for norm in (*norms, *head_norms)):
             return None
         norm_weights = [norm.weight.detach().float().contiguous() for norm in norms]  # (hidden,) each: a copy if bf16
-        kept += norm_weights
+        head_weights = [norm.weight.detach().float().contiguous() for norm in head_norms]  # (head_dim,) each
+        kept += norm_weights + head_weights
+        q_norm, k_norm = ([native.pointer(weight, torch.float32, (head_dim,)) for weight in head_weights]
+                          or [None, None])
         layers.append(native.DecoderLayer(*(native.pointer(weight, torch.float32, (hidden,)) for weight in norm_weights),
-                                          *matrices, qkv_bias=bias))
+                                          *matrices, qkv_bias=bias, q_norm=q_norm, k_norm=k_norm))
     shape = native.DecoderShape(hidden, heads, kv_heads, head_dim, intermediate,
                                 decoder_layers[0].input_layernorm.variance_epsilon, attention.scaling)
     return ModelLayers(shape, layers, kept)

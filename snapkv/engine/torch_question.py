@@ -15,7 +15,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from snapkv import native
 from snapkv.compression.compress import CompressionPlan, capturing, cut_layer
-from snapkv.engine.lean_decode import GATE_UP, QKV, rotate_half, rms_norm
+from snapkv.engine.lean_decode import GATE_UP, QKV, head_norms, rotate_half, rms_norm
 from snapkv.engine.working_cache import WorkingCache
 from snapkv.modeling.block_weights import fused_outputs
 
@@ -62,6 +62,7 @@ class LayerParts:
         attention = layer.self_attn
         normed = rms_norm(layer.input_layernorm, hidden)
         projected = fused_outputs(attention, QKV, normed) or [getattr(attention, name)(normed) for name in QKV]
+        projected = head_norms(attention, *projected)
         query, key = (with_rope(part, cos, sin, attention.head_dim) for part in projected[:2])
         value = projected[2].view(1, hidden.shape[1], -1, attention.head_dim).transpose(1, 2)
         return normed, query, key, value

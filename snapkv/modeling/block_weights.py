@@ -183,13 +183,13 @@ FUSIBLE = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # read by 
 
 
 def _fuse(parent: torch.nn.Module) -> None:
-    """Where a module's q/k/v (or gate/up) projections are all BlockLinear of the same bits and inputs without
-    bias, put their blocks in one tensor each (their rows one after another) kept as FUSED on the module, and
-    point every BlockLinear at its rows (views: no second copy). One product over the whole then gives each
-    projection's outputs, the same numbers, in one kernel call instead of several."""
+    """Where a module's q/k/v (or gate/up) projections are all BlockLinear of the same bits and inputs, put their
+    blocks in one tensor each (their rows one after another) kept as FUSED on the module, and point every BlockLinear
+    at its rows (views: no second copy). One product over the whole then gives each projection's outputs, the same
+    numbers, in one kernel call instead of several (each one's bias, Qwen2's, added after it as its own forward does)."""
     for names in FUSIBLE:
         linears = [getattr(parent, name, None) for name in names]
-        if not all(isinstance(linear, BlockLinear) and linear.bias is None for linear in linears):
+        if not all(isinstance(linear, BlockLinear) for linear in linears):
             continue
         parts = [linear.blocks for linear in linears]
         if len({(part.bits, part.codes.shape[1]) for part in parts}) != 1:
@@ -221,11 +221,13 @@ def fused_outputs(parent: torch.nn.Module, names: tuple[str, ...], x: torch.Tens
     if (fused is None or rows > FEW_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
             or torch.is_grad_enabled()):
         return None
-    sizes = [getattr(parent, name).out_features for name in names]
+    linears = [getattr(parent, name) for name in names]
+    sizes = [linear.out_features for linear in linears]
     y = rows_times_blocks(x.reshape(rows, -1).contiguous(), fused, sum(sizes))
     if y is None:
         return None
-    return [part.reshape(*x.shape[:-1], -1) for part in y.split(sizes, dim=-1)]
+    parts = [part.reshape(*x.shape[:-1], -1) for part in y.split(sizes, dim=-1)]
+    return [part + linear.bias if linear.bias is not None else part for part, linear in zip(parts, linears)]
 
 
 @dataclass(frozen=True)

@@ -84,21 +84,24 @@ def narrow_exact_bf16(model: torch.nn.Module) -> int:
     return swapped
 
 
-def _plain(linear) -> bool:
-    return (type(linear) in (torch.nn.Linear, Bf16Linear) and linear.bias is None and linear.weight.dtype in DENSE_DTYPES
-            and linear.weight.device.type == "cpu" and linear.weight.is_contiguous())
+def _plain(linear, bias_allowed: bool = False) -> bool:
+    return (type(linear) in (torch.nn.Linear, Bf16Linear) and (bias_allowed or linear.bias is None)
+            and linear.weight.dtype in DENSE_DTYPES and linear.weight.device.type == "cpu"
+            and linear.weight.is_contiguous())
 
 
 @torch.no_grad()
 def fuse_dense(model: torch.nn.Module) -> int:
     """For every module whose q/k/v (or gate/up) projections are plain nn.Linear of one dtype (bf16 or fp32) and one
-    input size, without bias, on CPU: their weights in one tensor (out_q + out_k + out_v, in), kept as FUSED_DENSE on the
-    module, each Linear's weight a view of its rows. Returns how many groups were fused (0 where nothing fits)."""
+    input size, on CPU: their weights in one tensor (out_q + out_k + out_v, in), kept as FUSED_DENSE on the module, each
+    Linear's weight a view of its rows (biases stay with their Linears: the C step adds them apart). Returns how many
+    groups were fused (0 where nothing fits)."""
     fused_groups = 0
     for parent in model.modules():
         for names in FUSIBLE:
             linears = [getattr(parent, name, None) for name in names]
-            if not all(_plain(linear) for linear in linears) or names in parent.__dict__.get(FUSED_DENSE, {}):
+            if (not all(_plain(linear, bias_allowed=True) for linear in linears)
+                    or names in parent.__dict__.get(FUSED_DENSE, {})):
                 continue
             if len({(linear.weight.dtype, linear.in_features) for linear in linears}) != 1:
                 continue

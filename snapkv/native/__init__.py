@@ -82,7 +82,7 @@ class DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", _pointer), ("post_norm", _pointer), ("qkv", BlockMatrix), ("o", BlockMatrix),
                 ("gate_up", BlockMatrix), ("down", BlockMatrix), ("held_keys", _pointer), ("held_values", _pointer),
                 ("held", _size), ("held_bits", _size), ("keys", _pointer), ("values", _pointer), ("capacity", _size),
-                ("filled", _size), ("qkv_bias", _pointer)]
+                ("filled", _size), ("qkv_bias", _pointer), ("q_norm", _pointer), ("k_norm", _pointer)]
 
 
 class DecoderShape(ctypes.Structure):

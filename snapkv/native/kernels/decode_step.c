@@ -92,13 +92,6 @@ static int fits(const block_matrix *m, int64_t inputs, int64_t outputs) {
     return 1;
 }
 
-/* The layer's q, k, v biases (where it has them) added to rows of its projections, (rows, projected). */
-static void add_qkv_bias(const decoder_layer *layer, float *qkv, int64_t rows, int64_t projected) {
-    if (!layer->qkv_bias) return;
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < projected; j++) qkv[r * projected + j] += layer->qkv_bias[j];
-}
-
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
     f32x8 squares = f32x8_zero();
     int64_t j = 0;
@@ -111,6 +104,23 @@ static void rms_norm(const float *x, const float *weight, int64_t n, float eps, 
     const float inverse = 1.0f / sqrtf(total / (float)n + eps);
     for (j = 0; j < n; j++) out[j] = weight[j] * (x[j] * inverse);
 }
+
+/* Rows of a layer's q, k, v projections (rows, (heads + 2 kv_heads) * head_dim) in place, before RoPE: plus the
+ * biases (Qwen2), then each q and k head RMS-normed (Qwen3), where the layer has them. */
+static void before_rope(const decoder_shape *shape, const decoder_layer *layer, float *qkv, int64_t rows) {
+    const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
+    const int64_t projected = (heads + 2 * kv_heads) * d;
+    for (int64_t r = 0; r < rows && layer->qkv_bias; r++)
+        for (int64_t j = 0; j < projected; j++) qkv[r * projected + j] += layer->qkv_bias[j];
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * projected;
+        for (int64_t h = 0; h < heads && layer->q_norm; h++)
+            rms_norm(row + h * d, layer->q_norm, d, shape->norm_eps, row + h * d);
+        for (int64_t h = 0; h < kv_heads && layer->k_norm; h++)
+            rms_norm(row + (heads + h) * d, layer->k_norm, d, shape->norm_eps, row + (heads + h) * d);
+    }
+}
+
 
 /* v (head_dim) in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[half:], v[:half]). */
 static void rotate_into(const float *v, const float *cos, const float *sin, int64_t head_dim, float *out) {
@@ -424,7 +434,7 @@ int decode_token(const decoder_shape *shape, decoder_layer *layers, int64_t laye
         decoder_layer *layer = &layers[l];
         rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
         if ((status = products(&layer->qkv, normed, 1, wide, threads))) break;
-        add_qkv_bias(layer, wide, 1, projected);
+        before_rope(shape, layer, wide, 1);
         float *query = wide, *key = wide + heads * d, *value = key + kv_heads * d;
         for (int64_t h = 0; h < heads; h++) {
             rotate(query + h * d, cos, sin, d);
@@ -472,7 +482,7 @@ int question_before_attention(const decoder_shape *shape, const decoder_layer *l
     if (!wide) return -1;
     for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
     const int status = products(&layer->qkv, normed, rows, wide, threads);
-    if (status == 0) add_qkv_bias(layer, wide, rows, projected);
+    if (status == 0) before_rope(shape, layer, wide, rows);
     for (int64_t r = 0; r < rows && status == 0; r++) {
         const float *row = wide + r * projected, *row_cos = cos + r * d, *row_sin = sin + r * d;
         for (int64_t h = 0; h < heads; h++) rotate_into(row + h * d, row_cos, row_sin, d, query + (h * rows + r) * d);

@@ -45,6 +45,8 @@ typedef struct {
     float *keys, *values;                 /* (kv_heads, capacity, head_dim): the answer's own rows, fp32 */
     int64_t capacity, filled;
     const float *qkv_bias;                /* NULL, or ((heads + 2 kv_heads) * head_dim): added to q, k, v (Qwen2) */
+    const float *q_norm, *k_norm;         /* NULL, or (head_dim) each: RMSNorm of every q and k head after the
+                                             projection, before RoPE (Qwen3), with the shape's norm_eps */
 } decoder_layer;
 
 typedef struct {

@@ -302,19 +302,26 @@ static void matrix_product(const block_matrix *m, const float *x, int64_t rows, 
     PRODUCT(matrix_weight(m, out, i))
 }
 
-/* The q, k, v biases added, where the layer has them. */
-static void qkv_bias(const decoder_layer *layer, float *qkv, int64_t rows, int64_t projected) {
-    if (layer->qkv_bias)
-        for (int64_t r = 0; r < rows; r++)
-            for (int64_t j = 0; j < projected; j++) qkv[r * projected + j] += layer->qkv_bias[j];
-}
-
 /* x (n) -> weight * x / sqrt(mean(x^2) + eps). */
 static void rms_norm(const float *x, const float *weight, int64_t n, float eps, float *out) {
     double squares = 0.0;
     for (int64_t j = 0; j < n; j++) squares += (double)x[j] * (double)x[j];
     const float inverse = (float)(1.0 / sqrt(squares / (double)n + (double)eps));
     for (int64_t j = 0; j < n; j++) out[j] = weight[j] * (x[j] * inverse);
+}
+
+/* The q, k, v biases added, then each q and k head RMS-normed, where the layer has them. */
+static void before_rope(const decoder_shape *shape, const decoder_layer *layer, float *qkv, int64_t rows) {
+    const int64_t d = shape->head_dim, heads = shape->heads, kv_heads = shape->kv_heads;
+    const int64_t projected = (heads + 2 * kv_heads) * d;
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = qkv + r * projected;
+        for (int64_t j = 0; j < projected && layer->qkv_bias; j++) row[j] += layer->qkv_bias[j];
+        for (int64_t h = 0; h < heads && layer->q_norm; h++)
+            rms_norm(row + h * d, layer->q_norm, d, shape->norm_eps, row + h * d);
+        for (int64_t h = 0; h < kv_heads && layer->k_norm; h++)
+            rms_norm(row + (heads + h) * d, layer->k_norm, d, shape->norm_eps, row + (heads + h) * d);
+    }
 }
 
 /* v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[half:], v[:half]): RoPE. */
@@ -397,7 +404,7 @@ int decode_token_generic(const decoder_shape *shape, decoder_layer *layers, int6
         decoder_layer *layer = &layers[l];
         rms_norm(hidden, layer->input_norm, n, shape->norm_eps, normed);
         matrix_product(&layer->qkv, normed, 1, qkv);
-        qkv_bias(layer, qkv, 1, projected);
+        before_rope(shape, layer, qkv, 1);
         for (int64_t h = 0; h < heads; h++) {
             rope(qkv + h * d, cos, sin, d, query + h * d);
             for (int64_t c = 0; c < d; c++) query[h * d + c] *= shape->scaling;
@@ -455,7 +462,7 @@ int question_before_attention_generic(const decoder_shape *shape, const decoder_
     if (!qkv) return -1;
     for (int64_t r = 0; r < rows; r++) rms_norm(hidden + r * n, layer->input_norm, n, shape->norm_eps, normed + r * n);
     matrix_product(&layer->qkv, normed, rows, qkv);
-    qkv_bias(layer, qkv, rows, projected);
+    before_rope(shape, layer, qkv, rows);
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * projected;
         for (int64_t h = 0; h < heads; h++) rope(row + h * d, cos + r * d, sin + r * d, d, query + (h * rows + r) * d);
