@@ -15,8 +15,8 @@ QuestionLayers does the same for a question's rows around each layer's attention
 the cut stay snapkv.engine.native_question's): ~17 ms of a ~0.25 s follow-up at 8k tokens, interleaved runs.
 
 Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, fused
-q/k/v and gate/up matrices, no biases, the kernels available); else the lean step, as before. The C call reads the
-cache's rows where the question's pass left them (fp32 or bf16, bf16 widened exactly: no copy of the cache), and writes
+q/k/v and gate/up matrices, q/k/v biases and Qwen3's q/k norms applied in C, the kernels available); else the lean
+step, as before. The C call reads the cache's rows where the question's pass left them (fp32 or bf16, bf16 widened exactly: no copy of the cache), and writes
 each token's keys and values into the answer's own fp32 buffers, sized for it; `sync` hands the whole over as plain
 layers in the model's dtype (before the lean step takes over from it).
 """
