@@ -197,7 +197,10 @@ def run_bench(loaded: LoadedModel, lengths: list[int], budgets: list[int], *, se
             if on_row:
                 on_row(row)
         if followup and budgets and length == lengths[-1] and exact_fits:
-            result.followup = _followup(sessions[1], prepared[1], prepared[0].prefill_seconds)
+            kept, reprefill_seconds = prepared[1], prepared[0].prefill_seconds
+            del made, prepared_one  # the loops' last: no reference left to a cache but the one followed up
+            prepared.clear()  # the other methods' caches freed before the follow-up loads (an 8B shape's full: 0.5 GB)
+            result.followup = _followup(sessions[1], kept, reprefill_seconds)
     result.growth = fit_growth(result.rows)
     return result
 
