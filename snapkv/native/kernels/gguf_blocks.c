@@ -667,46 +667,73 @@ static void one_row(int type, const uint8_t *w, int64_t row_bytes, int64_t k, in
     ONE_ROW_LOOP()
 }
 
-/* The loop over outputs for several rows of activations, in vectors V (f32x8 or f32x16) of LANES floats: per
- * output, per block, its weights made once (as gguf_dequantize gives them), then the rows' products two rows at a
- * time (each weight vector loaded once for both), two chains of FMAs a row. */
-#define SEVERAL_ROWS_LOOP(V, LANES, WEIGHTS)                                                                         \
-    int64_t elements, bytes, group;                                                                                 \
-    gguf_block_form(type, &elements, &bytes, &group);                                                               \
-    const int64_t per_row = k / elements;                                                                           \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
-    for (int64_t out = 0; out < n; out++) {                                                                         \
-        float code[MOST_ELEMENTS];                                                                                  \
-        V chains[SNAPKV_MAX_ROWS][2];                                                                               \
-        for (int64_t r = 0; r < rows; r++) chains[r][0] = chains[r][1] = V##_zero();                               \
-        const uint8_t *row = w + out * row_bytes;                                                                   \
-        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);         \
+/* COUNT outputs from `first` on for several rows of activations, in vectors V (f32x8 or f32x16) of LANES floats: per
+ * block, each output's weights made once (as gguf_dequantize gives them), then the rows' products two rows at a time,
+ * each vector of x loaded once for the COUNT outputs and each weight vector once for both rows, two chains of FMAs
+ * per row and output (every output's sums in the same order whatever COUNT is: the same bits). */
+#define SEVERAL_ROWS_OUTPUTS(V, LANES, WEIGHTS, COUNT, first)                                                       \
+    {                                                                                                               \
+        float code[COUNT][MOST_ELEMENTS];                                                                           \
+        V chains[SNAPKV_MAX_ROWS][COUNT][2];                                                                        \
+        for (int64_t r = 0; r < rows; r++)                                                                          \
+            for (int o = 0; o < (COUNT); o++) chains[r][o][0] = chains[r][o][1] = V##_zero();                       \
+        for (int o = 0; o < (COUNT); o++)                                                                           \
+            if ((first) + o + ROWS_AHEAD < n)                                                                       \
+                prefetch_bytes((const char *)(w + ((first) + o + ROWS_AHEAD) * row_bytes), row_bytes);              \
         for (int64_t c = 0; c < per_row; c++) {                                                                     \
-            WEIGHTS(type, row + c * bytes, code);                                                                   \
+            for (int o = 0; o < (COUNT); o++) WEIGHTS(type, w + ((first) + o) * row_bytes + c * bytes, code[o]);    \
             int64_t r = 0;                                                                                          \
             for (; r + 2 <= rows; r += 2) {                                                                         \
                 const float *x0 = x + r * k + c * elements, *x1 = x0 + k;                                           \
-                V a0 = chains[r][0], a1 = chains[r][1], b0 = chains[r + 1][0], b1 = chains[r + 1][1];               \
+                V a0[COUNT], a1[COUNT], b0[COUNT], b1[COUNT];                                                       \
+                for (int o = 0; o < (COUNT); o++)                                                                   \
+                    a0[o] = chains[r][o][0], a1[o] = chains[r][o][1], b0[o] = chains[r + 1][o][0],                  \
+                    b1[o] = chains[r + 1][o][1];                                                                    \
                 for (int64_t i = 0; i < elements; i += 2 * LANES) {                                                 \
-                    const V w0 = V##_load(code + i), w1 = V##_load(code + i + LANES);                               \
-                    a0 = V##_fma(w0, V##_load(x0 + i), a0);                                                         \
-                    a1 = V##_fma(w1, V##_load(x0 + i + LANES), a1);                                                 \
-                    b0 = V##_fma(w0, V##_load(x1 + i), b0);                                                         \
-                    b1 = V##_fma(w1, V##_load(x1 + i + LANES), b1);                                                 \
+                    const V xa = V##_load(x0 + i), xb = V##_load(x0 + i + LANES), xc = V##_load(x1 + i),            \
+                            xd = V##_load(x1 + i + LANES);                                                          \
+                    for (int o = 0; o < (COUNT); o++) {                                                             \
+                        const V w0 = V##_load(code[o] + i), w1 = V##_load(code[o] + i + LANES);                     \
+                        a0[o] = V##_fma(w0, xa, a0[o]);                                                             \
+                        a1[o] = V##_fma(w1, xb, a1[o]);                                                             \
+                        b0[o] = V##_fma(w0, xc, b0[o]);                                                             \
+                        b1[o] = V##_fma(w1, xd, b1[o]);                                                             \
+                    }                                                                                               \
                 }                                                                                                   \
-                chains[r][0] = a0, chains[r][1] = a1, chains[r + 1][0] = b0, chains[r + 1][1] = b1;                 \
+                for (int o = 0; o < (COUNT); o++)                                                                   \
+                    chains[r][o][0] = a0[o], chains[r][o][1] = a1[o], chains[r + 1][o][0] = b0[o],                  \
+                    chains[r + 1][o][1] = b1[o];                                                                    \
             }                                                                                                       \
             for (; r < rows; r++) {                                                                                 \
                 const float *xs = x + r * k + c * elements;                                                         \
-                V a0 = chains[r][0], a1 = chains[r][1];                                                             \
-                for (int64_t i = 0; i < elements; i += 2 * LANES) {                                                 \
-                    a0 = V##_fma(V##_load(code + i), V##_load(xs + i), a0);                                         \
-                    a1 = V##_fma(V##_load(code + i + LANES), V##_load(xs + i + LANES), a1);                         \
+                for (int o = 0; o < (COUNT); o++) {                                                                 \
+                    V a0 = chains[r][o][0], a1 = chains[r][o][1];                                                   \
+                    for (int64_t i = 0; i < elements; i += 2 * LANES) {                                             \
+                        a0 = V##_fma(V##_load(code[o] + i), V##_load(xs + i), a0);                                  \
+                        a1 = V##_fma(V##_load(code[o] + i + LANES), V##_load(xs + i + LANES), a1);                  \
+                    }                                                                                               \
+                    chains[r][o][0] = a0, chains[r][o][1] = a1;                                                     \
                 }                                                                                                   \
-                chains[r][0] = a0, chains[r][1] = a1;                                                               \
             }                                                                                                       \
         }                                                                                                           \
-        for (int64_t r = 0; r < rows; r++) y[r * n + out] = V##_sum(V##_add(chains[r][0], chains[r][1]));        \
+        for (int64_t r = 0; r < rows; r++)                                                                          \
+            for (int o = 0; o < (COUNT); o++)                                                                       \
+                y[r * n + (first) + o] = V##_sum(V##_add(chains[r][o][0], chains[r][o][1]));                        \
+    }
+
+#define OUTPUTS_AT_ONCE 4  /* outputs whose weights share each load of x in a question's product (x read from L2) */
+
+/* The loop over outputs for several rows of activations, OUTPUTS_AT_ONCE at a time (the last few one by one). */
+#define SEVERAL_ROWS_LOOP(V, LANES, WEIGHTS)                                                                         \
+    int64_t elements, bytes, group;                                                                                 \
+    gguf_block_form(type, &elements, &bytes, &group);                                                               \
+    const int64_t per_row = k / elements, sets = (n + OUTPUTS_AT_ONCE - 1) / OUTPUTS_AT_ONCE;                       \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
+    for (int64_t set = 0; set < sets; set++) {                                                                      \
+        const int64_t first = set * OUTPUTS_AT_ONCE;                                                                \
+        if (first + OUTPUTS_AT_ONCE <= n) SEVERAL_ROWS_OUTPUTS(V, LANES, WEIGHTS, OUTPUTS_AT_ONCE, first)           \
+        else                                                                                                        \
+            for (int64_t out = first; out < n; out++) SEVERAL_ROWS_OUTPUTS(V, LANES, WEIGHTS, 1, out)               \
     }
 
 /* y (rows, n) = x (rows, k) @ W^T for rows > 1, 16 floats a vector (AVX-512 in the avx512 build). */
