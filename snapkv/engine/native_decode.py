@@ -16,9 +16,9 @@ the cut stay snapkv.engine.native_question's): ~17 ms of a ~0.25 s follow-up at 
 
 Used by snapkv.engine.generation.answer where `for_cache` finds everything it needs (the lean step's conditions, fused
 q/k/v and gate/up matrices, q/k/v biases and Qwen3's q/k norms applied in C, the kernels available); else the lean
-step, as before. The C call reads the cache's rows where the question's pass left them (fp32 or bf16, bf16 widened exactly: no copy of the cache), and writes
-each token's keys and values into the answer's own fp32 buffers, sized for it; `sync` hands the whole over as plain
-layers in the model's dtype (before the lean step takes over from it).
+step, as before. The C call reads the cache's rows where the question's pass left them (fp32 or bf16, bf16 widened
+exactly: no copy of the cache), and writes each token's keys and values into the answer's own fp32 buffers, sized
+for it; `sync` hands the whole over as plain layers in the model's dtype (before the lean step takes over from it).
 """
 import ctypes
 from dataclasses import dataclass

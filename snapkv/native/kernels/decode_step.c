@@ -121,7 +121,6 @@ static void before_rope(const decoder_shape *shape, const decoder_layer *layer, 
     }
 }
 
-
 /* v (head_dim) in place: v * cos + rotate_half(v) * sin, rotate_half(v) = (-v[half:], v[:half]). */
 static void rotate_into(const float *v, const float *cos, const float *sin, int64_t head_dim, float *out) {
     const int64_t half = head_dim / 2;
