@@ -147,3 +147,20 @@ def test_a_file_that_disagrees_with_its_config_is_refused_with_a_message_and_an_
     truncated.write_bytes(path.read_bytes()[:len(content) // 2])
     result = cli("ask", "-m", truncated, document, "What is it?", "--no-server")
     assert result.code == 3 and "truncated" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_qwen3_files_head_size_is_its_own_even_in_a_folder_converted_without_it(gguf_home):
+    """transformers reads no key_length for Qwen3 (its default head_dim, 128, whatever the file's): the file's own
+    is taken, also over a config folder an older snapkv converted with the default."""
+    from snapkv.engine.conversion import gguf_folder
+
+    path, reference = gguf_home["qwen3"]
+    config_file = gguf_folder(path, "-config") / "config.json"
+    saved = json.loads(config_file.read_text())
+    assert saved["head_dim"] == 64
+    try:
+        config_file.write_text(json.dumps({**saved, "head_dim": 128}))
+        model = load_gguf(path, "sdpa").model
+        assert model.config.head_dim == 64 and model.model.layers[0].self_attn.q_norm.weight.shape == (64,)
+    finally:
+        config_file.write_text(json.dumps(saved))

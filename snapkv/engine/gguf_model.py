@@ -65,6 +65,15 @@ class GGUFModel:
 CONFIG_STEPS = 2  # reported while the config and tokenizer are converted: the tokenizer, then saved
 
 
+def with_file_head_dim(config, metadata: dict):
+    """`config` with the head size the file states (`<architecture>.attention.key_length`), where it gives one:
+    transformers reads none for some architectures (Qwen3: its default 128 whatever the file's)."""
+    head_dim = metadata.get(f"{metadata.get('general.architecture')}.attention.key_length")
+    if isinstance(head_dim, int) and getattr(config, "head_dim", None) != head_dim:
+        config.head_dim = head_dim
+    return config
+
+
 def config_and_tokenizer(gguf: Path, on_progress: Callable[[int, int], None] | None = None) -> Path:
     """The folder holding this GGUF's config.json and tokenizer files, converted the first time (a few seconds: the
     tokenizer's vocabulary; snapkv.engine.conversion.made_once)."""
@@ -74,11 +83,8 @@ def config_and_tokenizer(gguf: Path, on_progress: Callable[[int, int], None] | N
         from transformers import AutoConfig, AutoTokenizer
 
         report(0, CONFIG_STEPS)
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-        metadata = GGUFFile(gguf).metadata
-        head_dim = metadata.get(f"{metadata.get('general.architecture')}.attention.key_length")
-        if isinstance(head_dim, int) and getattr(config, "head_dim", None) != head_dim:
-            config.head_dim = head_dim  # transformers reads no key_length for some (Qwen3: else its default 128)
+        config = with_file_head_dim(AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                               local_files_only=True), GGUFFile(gguf).metadata)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
         report(1, CONFIG_STEPS)
         config.save_pretrained(staging)
@@ -136,7 +142,8 @@ def load_gguf(path: Path, attn_implementation: str, on_progress: Callable[[int, 
         raise UnsupportedModelError(f"{path}: GGUF architecture {architecture!r} is not one snapkv reads in its own "
                                     f"blocks (it reads {', '.join(ARCHITECTURES)})")
     folder = config_and_tokenizer(path, on_progress)
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    # the file's head size again: a folder converted by an older snapkv may hold transformers' default
+    config = with_file_head_dim(AutoConfig.from_pretrained(folder, local_files_only=True), file.metadata)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
