@@ -32,6 +32,13 @@
 #define MOST_ELEMENTS 256  /* a K-quant super-block */
 #define MOST_GROUPS 16     /* Q6_K: a scale per 16 */
 #define ROWS_AHEAD 4       /* rows ahead whose blocks one row's product prefetches (read once a token: from memory) */
+#define STREAM_AHEAD 2048  /* bytes ahead of each K-quant block that its one-row product prefetches (its rows are long:
+                              a whole row at once, 115 lines of a Q6_K row of 8960, stalled on the CPU's fill buffers) */
+
+/* The lines of the `bytes` bytes STREAM_AHEAD past block b, fetched ahead of their use (past the matrix: harmless). */
+static inline void stream_ahead(const uint8_t *b, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch((const char *)b + STREAM_AHEAD + line, 0, 3);
+}
 
 /* The block form of a type: elements per block, bytes per block, elements per group (a scale); 0 for a type these
  * kernels do not read. */
@@ -313,6 +320,7 @@ static float row_dot_k45(const uint8_t *row, int64_t blocks, const float *x, con
     const int64_t bytes = five ? 176 : 144;
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * bytes, *high = b + 16, *q = b + (five ? 48 : 16);
+        stream_ahead(b, bytes);
         const float d = half_at(b), dmin = half_at(b + 2);
         const float *xs = x + c * 256;
         for (int g = 0; g < 8; g++) {
@@ -351,6 +359,7 @@ static float row_dot_q6k(const uint8_t *row, int64_t blocks, const float *x, con
     const i32x8 three = i32x8_splat(3);
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * 210;
+        stream_ahead(b, 210);
         const int8_t *scales = (const int8_t *)(b + 192);
         const float d = half_at(b + 208);
         const float *xs = x + c * 256;
@@ -473,6 +482,7 @@ WIDE static inline float row_dot_k45_wide(const uint8_t *row, int64_t blocks, co
     const i32x16 one = i32x16_splat(1);
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * bytes, *high = b + 16, *q = b + (five ? 48 : 16);
+        stream_ahead(b, bytes);
         const float d = half_at(b), dmin = half_at(b + 2);
         const float *xs = x + c * 256;
         uint32_t packed[4];
@@ -530,6 +540,7 @@ WIDE static inline float row_dot_q6k_wide(const uint8_t *row, int64_t blocks, co
     f32x16 shifts = f32x16_zero();                    /* the -32's share, per group lane */
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * 210;
+        stream_ahead(b, 210);
         float scale[16];
         const f32x16 scales = f32x16_mul(f32x16_splat(half_at(b + 208)), f32x16_from_i8(u8x16_load(b + 192)));
         f32x16_store(scale, scales);
@@ -640,7 +651,8 @@ static int has_row_dot(int type) {
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
     for (int64_t out = 0; out < n; out++) {                                                                         \
         const uint8_t *row = w + out * row_bytes;                                                                   \
-        if (out + ROWS_AHEAD < n) prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);         \
+        if (out + ROWS_AHEAD < n && type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K)                 \
+            prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);                                \
         float value = 0.0f;                                                                                         \
         switch (type) {                                                                                             \
         case GGUF_Q4_0: value = row_dot_q4##SUFFIX(row, k / 32, x, sums, 0); break;                                 \
