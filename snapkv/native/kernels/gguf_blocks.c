@@ -32,8 +32,8 @@
 #define MOST_ELEMENTS 256  /* a K-quant super-block */
 #define MOST_GROUPS 16     /* Q6_K: a scale per 16 */
 #define ROWS_AHEAD 4       /* rows ahead whose blocks one row's product prefetches (read once a token: from memory) */
-#define STREAM_AHEAD 2048  /* bytes ahead of each K-quant block that its one-row product prefetches (its rows are long:
-                              a whole row at once, 115 lines of a Q6_K row of 8960, stalled on the CPU's fill buffers) */
+#define STREAM_AHEAD 2048  /* bytes ahead of each block that a one-row product prefetches (a whole row ahead at once,
+                              115 lines of a Q6_K row of 8960, stalled on the CPU's fill buffers) */
 
 /* The lines of the `bytes` bytes STREAM_AHEAD past block b, fetched ahead of their use (past the matrix: harmless). */
 static inline void stream_ahead(const uint8_t *b, int64_t bytes) {
@@ -259,6 +259,7 @@ static float row_dot_q4(const uint8_t *row, int64_t blocks, const float *x, cons
     const int64_t bytes = with_minimum ? 20 : 18;
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * bytes;
+        stream_ahead(b, bytes);
         const u8x16 q = u8x16_load(b + (with_minimum ? 4 : 2));
         const float *xs = x + c * 32;
         f32x8 dot = fma16_u8(u8x16_low_nibbles(q), xs, f32x8_zero());
@@ -278,6 +279,7 @@ static float row_dot_q5(const uint8_t *row, int64_t blocks, const float *x, cons
     const i32x8 lanes = i32x8_of(0, 1, 2, 3, 4, 5, 6, 7), one = i32x8_splat(1);
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * bytes, *high = b + (with_minimum ? 4 : 2);
+        stream_ahead(b, bytes);
         uint32_t bits;
         memcpy(&bits, high, 4);
         const u8x16 q = u8x16_load(high + 4);
@@ -301,6 +303,7 @@ static float row_dot_q8(const uint8_t *row, int64_t blocks, const float *x) {
     f32x8 acc = f32x8_zero();
     for (int64_t c = 0; c < blocks; c++) {
         const uint8_t *b = row + c * 34;
+        stream_ahead(b, 34);
         const float *xs = x + c * 32;
         const u8x16 first = u8x16_load(b + 2), second = u8x16_load(b + 18);
         f32x8 dot = f32x8_mul(i32x8_to_floats(i32x8_from_i8(first)), f32x8_load(xs));
@@ -414,6 +417,7 @@ WIDE static inline void block_q4_wide(const uint8_t *b, const float *xs, float s
     float constant_even = 0.0f, constant_odd = 0.0f;                                                                \
     int64_t c = 0;                                                                                                  \
     for (; c + 2 <= blocks; c += 2) {                                                                               \
+        stream_ahead(row + c * (bytes), 2 * (bytes));                                                               \
         BLOCK(row + c * (bytes), x + c * 32, sums[c], with_minimum, &even, &constant_even);                         \
         BLOCK(row + (c + 1) * (bytes), x + (c + 1) * 32, sums[c + 1], with_minimum, &odd, &constant_odd);           \
     }                                                                                                               \
@@ -454,6 +458,7 @@ WIDE static inline float row_dot_q8_wide(const uint8_t *row, int64_t blocks, con
     int64_t c = 0;
     for (; c < blocks; c++) {
         const uint8_t *b = row + c * 34;
+        stream_ahead(b, 34);
         const float *xs = x + c * 32;
         f32x16 dot = f32x16_mul(f32x16_from_i8(u8x16_load(b + 2)), f32x16_load(xs));
         dot = f32x16_fma(f32x16_from_i8(u8x16_load(b + 18)), f32x16_load(xs + 16), dot);
@@ -651,8 +656,6 @@ static int has_row_dot(int type) {
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                                              \
     for (int64_t out = 0; out < n; out++) {                                                                         \
         const uint8_t *row = w + out * row_bytes;                                                                   \
-        if (out + ROWS_AHEAD < n && type != GGUF_Q4_K && type != GGUF_Q5_K && type != GGUF_Q6_K)                 \
-            prefetch_bytes((const char *)(row + ROWS_AHEAD * row_bytes), row_bytes);                                \
         float value = 0.0f;                                                                                         \
         switch (type) {                                                                                             \
         case GGUF_Q4_0: value = row_dot_q4##SUFFIX(row, k / 32, x, sums, 0); break;                                 \
