@@ -31,7 +31,7 @@
 
 #define MOST_ELEMENTS 256  /* a K-quant super-block */
 #define MOST_GROUPS 16     /* Q6_K: a scale per 16 */
-#define ROWS_AHEAD 4       /* rows ahead whose blocks one row's product prefetches (read once a token: from memory) */
+#define ROWS_AHEAD 4       /* rows ahead whose blocks a question's product prefetches (read once a question: from memory) */
 #define STREAM_AHEAD 2048  /* bytes ahead of each block that a one-row product prefetches (a whole row ahead at once,
                               115 lines of a Q6_K row of 8960, stalled on the CPU's fill buffers) */
 
