@@ -220,8 +220,8 @@ def test_every_plain_family_runs_in_c_and_answers_as_the_torch_engine(family, mo
     the fused product); Qwen3 (each q and k head RMS-normed before RoPE); Llama 3's rope scaling (positions past the
     original 128, so the scaled frequencies matter). The question's layers and every step in C give the lean pass's
     logits within fp32 rounding, and answer() gives the torch engine's tokens, full cache and a cut."""
-    model = on_blocks(**LLAMA3_ROPE, num_attention_heads=4, num_key_value_heads=2) if family == "llama3" else \
-        on_blocks(family)
+    model = (on_blocks(**LLAMA3_ROPE, num_attention_heads=4, num_key_value_heads=2) if family == "llama3"
+             else on_blocks(family))
     layers = native_decode.question_layers(model)
     assert layers is not None, family
     if family == "qwen2":
