@@ -406,7 +406,7 @@ class Session:
                 timings: dict = {}
                 cache = build_tier(loaded.model, self.prompter, ids, prompt.document_span, plan,
                                    Tier(truncation=prompt.truncation), on_layer=on_layer, on_step=on_step,
-                                   timings=timings, prefill_dtype=loaded.prefill_dtype)
+                                   timings=timings, prefill_dtype=loaded.prefill_dtype, question_room=QUESTION_ROOM)
                 wait_for_device(loaded.device)
                 seconds = time.perf_counter() - started
         except Exception as error:

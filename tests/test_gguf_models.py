@@ -18,7 +18,9 @@ from snapkv.engine import native_decode
 from snapkv.engine.conversion import embedded_gguf_path
 from snapkv.engine.generation import answer, prefill
 from snapkv.engine.gguf_model import load_gguf
-from snapkv.modeling.gguf_weights import GGUFEmbedding, GGUFLinear
+from snapkv.modeling.architectures import feed_forward_modules
+from snapkv.modeling.chunking import chunked_feed_forward
+from snapkv.modeling.gguf_weights import GGUFEmbedding, GGUFLinear, GGUFMatrix
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"kernels unavailable: {native.unavailable_reason()}")
@@ -164,3 +166,27 @@ def test_a_qwen3_files_head_size_is_its_own_even_in_a_folder_converted_without_i
         assert model.config.head_dim == 64 and model.model.layers[0].self_attn.q_norm.weight.shape == (64,)
     finally:
         config_file.write_text(json.dumps(saved))
+
+
+def test_an_mlp_run_in_slices_makes_each_tile_once_and_computes_what_one_pass_does(gguf_home, monkeypatch):
+    path, _ = gguf_home["qwen2"]
+    model = load_gguf(path, "sdpa").model
+    ids = _ids(200, 3).unsqueeze(0)  # slices of more rows than the blocks' own kernels take: tiles
+    with torch.no_grad():
+        whole = model(ids).logits
+    made = []  # the matrix of each tile made
+    dequantized = GGUFMatrix.dequantized
+
+    def counted(matrix, dtype=torch.float32):
+        made.append(matrix)
+        return dequantized(matrix, dtype)
+
+    monkeypatch.setattr(GGUFMatrix, "dequantized", counted)
+    with torch.no_grad(), chunked_feed_forward(model, 80):
+        sliced = model(ids).logits
+    feed_forward = {id(linear.matrix) for mlp in feed_forward_modules(model)
+                    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)}
+    made_for_mlps = [id(matrix) for matrix in made if id(matrix) in feed_forward]
+    assert sorted(made_for_mlps) == sorted(feed_forward)  # three slices, one tile each
+    assert all(linear.kept_tiles is None for linear in model.modules() if isinstance(linear, GGUFLinear))
+    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())

@@ -18,6 +18,7 @@ from snapkv.storage import quantize as quantize_module
 from snapkv.base.bits import Bits, Form
 from snapkv.storage.quantize import CHANNELS, TOKENS, Mixed, Scheme, dequantize, quantize, quantize_mixed, stored_schemes
 from snapkv.session import Session
+from snapkv.storage.cache import CompressedCache
 from snapkv.storage.store import CacheStore
 from snapkv.engine.tiers import SHARPENING, keep_best, probe_scores, sharper_positions
 
@@ -317,6 +318,51 @@ def test_derived_tier_equals_a_built_one(tiny_loaded):
     for a, b in zip(built.cache.keys + built.cache.positions, derived.cache.keys + derived.cache.positions):
         assert torch.equal(a, b)
     assert derived.cache.tier == built.cache.tier and derived.per_question == built.per_question
+
+
+def _random_cache(source: torch.dtype, key_scale: float) -> CompressedCache:
+    generator = torch.Generator().manual_seed(3)
+    keys = [(torch.randn(2, 50, 32, generator=generator) * key_scale).to(source) for _ in range(3)]
+    values = [torch.randn(2, 50, 32, generator=generator).to(source) for _ in range(3)]
+    return CompressedCache(keys, values, [torch.arange(50).expand(2, -1)] * 3, 50, torch.arange(50))
+
+
+def _same_stored_part(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    else:
+        assert all(torch.equal(getattr(a, name), getattr(b, name)) for name in ("packed", "scale", "minimum"))
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("key_scale, bits", [(3.0, 16), (3.0, "16/8"), (3.0, 8), (3.0, "4g32"), (3.0, "8/4"),
+                                             (3.0, "3/2"), (20000.0, 16), (20000.0, "16/8")])
+def test_rounding_one_layer_at_a_time_stores_what_rounding_the_whole_cache_twice_does(source, key_scale, bits):
+    """The prefill's cache (a bf16 prefill's, or fp32) through 16 bits to its stored bits; keys past fp16's range
+    (20,000 x a normal sample) are stored in bf16 instead, by both."""
+    whole = _random_cache(source, key_scale).to("cpu", torch.float32).at_precision(16).at_precision(bits)
+    for room in (0, 16):
+        prefilled = _random_cache(source, key_scale)
+        layered = prefilled.stored_one_layer_at_a_time(bits, torch.float32, room)
+        assert prefilled.keys == [] and prefilled.values == []  # released as it went
+        assert layered.tier.bits == whole.tier.bits
+        assert layered.deferred == (room > 0 and Bits.parse(bits).values < 16)  # as a loaded file would be
+        for stored, expected in zip(layered.payload, whole.payload):
+            for part, expected_part in zip(stored, expected):
+                _same_stored_part(part, expected_part)
+        for found, expected in zip(list(layered.keys) + list(layered.values), whole.keys + whole.values):
+            assert found.dtype == torch.float32 and torch.equal(found, expected)
+
+
+def test_a_fresh_prefill_is_held_in_its_stored_bits_as_a_loaded_file_is(tiny_loaded, tmp_path):
+    session = Session(tiny_loaded, SnapKVConfig(budget=48, window=8), store=CacheStore(tmp_path))
+    built = session.prepare(DOCUMENT)
+    assert built.cache.deferred and built.cache.tier.bits == Bits(8)
+    reloaded = session.prepare(DOCUMENT)
+    assert reloaded.hit and reloaded.cache.deferred
+    for question in ("At what time did the ferry of entry 4 leave?", "Which pier did entry 12 leave from?"):
+        assert "".join(session.ask(built, question, max_new_tokens=12)) == \
+            "".join(session.ask(reloaded, question, max_new_tokens=12))
 
 
 # ------------------------------------------------------------------------------------------ files

@@ -181,7 +181,7 @@ def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: 
 def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan: Plan, tier: Tier,
                on_layer: Progress | None = None, on_step: Progress | None = None,
                timings: dict | None = None, on_chunk: Progress | None = None,
-               prefill_dtype: torch.dtype | None = None) -> CompressedCache:
+               prefill_dtype: torch.dtype | None = None, question_room: int = 0) -> CompressedCache:
     """Prefill a prompt into the cache that is stored, as `plan` says: cut during the prefill (snapkv's document
     window) or after it by probes, then rounded to its stored bits. `tier` carries the truncation.
 
@@ -189,6 +189,8 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan
     on_chunk: progress of a prefill in chunks (tokens done, in all); on_layer if not given.
     prefill_dtype: the prefill's matrix products in this dtype (CPU autocast: bf16 over fp32 weights), its keys and
     values then held in the weights' dtype as any other cache.
+    question_room: > 0 to have the cache deferred where it can be, as a loaded file's (CompressedCache.
+    stored_one_layer_at_a_time), with this many free rows for a question.
     """
     plan = plan.sized_for(len(context_ids), document)
     during, after, bits = plan.during_prefill, plan.after_prefill, plan.bits
@@ -200,16 +202,20 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan
         else:
             cache = prefill(model, context_ids, during, on_layer=on_layer, tier=replace(tier, cut=during, bits=16),
                             document=document)
-    if prefill_dtype is not None:
-        cache = cache.to(cache.device, model.get_input_embeddings().weight.dtype)
+    compute = model.get_input_embeddings().weight.dtype  # a bf16 prefill's cache is restored in the weights' dtype
     prefilled = time.perf_counter()
-    if after is not None:
-        # cut the whole cache as a 16-bit file of it would hold it, so that deriving this tier later from such
-        # a file gives the same cache
-        cache = derive_tier(model, prompter, cache.at_precision(16), after, bits, on_step)
+    if after is None and not bits.share:
+        # through 16 bits first, as a whole 16-bit file of it would hold it (a no-op for a 16-bit model), one layer
+        # at a time
+        cache = cache.stored_one_layer_at_a_time(bits, compute, question_room)
     else:
-        # through 16 bits first, as a whole 16-bit file of it would hold it (a no-op for a 16-bit model)
-        cache = at_stored_precision(model, prompter, cache.at_precision(16), bits, on_step)
+        cache = cache.to(cache.device, compute).at_precision(16)
+        if after is not None:
+            # cut the whole cache as a 16-bit file of it would hold it, so that deriving this tier later from such
+            # a file gives the same cache
+            cache = derive_tier(model, prompter, cache, after, bits, on_step)
+        else:
+            cache = at_stored_precision(model, prompter, cache, bits, on_step)
     if timings is not None:
         timings.update(prefill_seconds=prefilled - started, tier_seconds=time.perf_counter() - prefilled)
     return cache

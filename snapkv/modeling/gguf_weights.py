@@ -7,7 +7,9 @@ turned into a bf16 or fp32 tile for that one product (gguf_dequantize: the very 
 freed right after. An embedding looks up the rows it is asked for the same way.
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +103,7 @@ class GGUFLinear(torch.nn.Module):
         self.matrix = matrix
         self.register_buffer("blocks", matrix.blocks)
         self.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.kept_tiles: dict[torch.dtype, torch.Tensor] | None = None  # within tiles_kept: each tile made once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -111,11 +114,30 @@ class GGUFLinear(torch.nn.Module):
                     y += self.bias
                 return y.reshape(*x.shape[:-1], self.out_features)
         dtype = _tile_dtype(x)
-        return F.linear(x.to(dtype), self.matrix.dequantized(dtype),
-                        None if self.bias is None else self.bias.to(dtype))
+        tiles = self.kept_tiles
+        tile = tiles.get(dtype) if tiles is not None else None
+        if tile is None:
+            tile = self.matrix.dequantized(dtype)  # (outputs, inputs)
+            if tiles is not None:
+                tiles[dtype] = tile
+        return F.linear(x.to(dtype), tile, None if self.bias is None else self.bias.to(dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.matrix.type_name} blocks"
+
+
+@contextmanager
+def tiles_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Within the block, each GGUFLinear under `module` dequantizes its matrix once per dtype and keeps that tile
+    (an MLP run over a prompt in slices: snapkv.modeling.chunking); released after it."""
+    linears = [linear for linear in module.modules() if isinstance(linear, GGUFLinear)]
+    for linear in linears:
+        linear.kept_tiles = {}
+    try:
+        yield
+    finally:
+        for linear in linears:
+            linear.kept_tiles = None
 
 
 class GGUFEmbedding(torch.nn.Module):

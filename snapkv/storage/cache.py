@@ -171,6 +171,50 @@ class CompressedCache:
             payload.append(tuple(stored))
         return replace(self, keys=keys, values=values, payload=payload, tier=replace(self.tier, bits=bits))
 
+    def stored_one_layer_at_a_time(self, bits: "Bits | int", compute: torch.dtype | None = None,
+                                   question_room: int = 0) -> "CompressedCache":
+        """`self.to(compute).at_precision(16).at_precision(bits)` (no sharper share), the same values, made one layer
+        at a time: each of this cache's layers is released once rounded (its keys and values lists are emptied), so
+        that the prefill's cache is never held beside two more copies of itself (the 1.5B at 31k held 8.5 GB so).
+
+        compute: the dtype the keys and values are restored in (default: theirs; a bf16 prefill's cache over fp32
+        weights is restored in fp32). question_room > 0: on a CPU, where every layer keeps a kind in fewer bits, the
+        result is deferred as a loaded file's is (snapkv.storage.deferred: the stored codes only, each question's
+        pass restores layer after layer, with this many free rows after each head's positions).
+        """
+        bits = Bits.parse(bits)
+        if bits.share:
+            raise ValueError(f"{bits} bits rank a sharper share by probes over the whole cache: use at_precision")
+        compute = compute or self.keys[0].dtype
+        kinds = (self.keys, self.values)
+        kind_bits = (bits.keys, bits.values)
+        # at_precision's 16-bit dtypes, from each kind's largest magnitude (rounding keeps the order of magnitudes,
+        # so the largest of a rounded kind is the rounded largest)
+        largest = [max((float(t.abs().amax()) for t in kind if t.numel()), default=0.0) for kind in kinds]
+        through = storage_dtype(compute, [torch.tensor(largest)])
+        rounded = [float(torch.tensor(value, dtype=compute).to(through).abs()) for value in largest]
+        in_sixteen = [value for value, b in zip(rounded, kind_bits) if b == 16]
+        sixteen = storage_dtype(compute, [torch.tensor(in_sixteen)]) if in_sixteen else None
+        payload = []
+        for index in range(len(self.keys)):
+            layer = (self.keys[index], self.values[index])
+            self.keys[index] = self.values[index] = None  # released with `layer` once rounded
+            schemes = stored_schemes(bits, layer[0].shape[-1])
+            restored_16 = (x.to(compute).to(through).to(compute) for x in layer)  # as a 16-bit file of it holds it
+            payload.append(tuple(x.to(sixteen) if scheme is None else quantize(x, scheme)
+                                 for x, scheme in zip(restored_16, schemes)))
+            del layer
+        self.keys, self.values = [], []
+        tier = replace(self.tier, bits=bits)
+        defer = (question_room > 0 and compute in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
+                 and all(not all(isinstance(part, torch.Tensor) for part in pair) for pair in payload))
+        if defer:
+            keys, values = (StoredLayers([pair[kind] for pair in payload], compute) for kind in (0, 1))
+            return replace(self, keys=keys, values=values, payload=payload, tier=tier, question_room=question_room)
+        keys, values = ([part.to(compute) if isinstance(part, torch.Tensor) else dequantize(part, compute)
+                         for part in (pair[kind] for pair in payload)] for kind in (0, 1))
+        return replace(self, keys=keys, values=values, payload=payload, tier=tier)
+
     def at_precision(self, bits: "Bits | int", sharp: list[torch.Tensor] | None = None) -> "CompressedCache":
         """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever
         the compute dtype), with that stored form kept as `payload` for the file, so that a cache answers the
