@@ -55,17 +55,19 @@ def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
 
 
 @contextmanager
-def _cache_in_one_buffer(model, cache: DynamicCache) -> Iterator[None]:
+def _cache_in_one_buffer(model, cache: DynamicCache, n: int) -> Iterator[None]:
     """Within the block, each layer's keys and values are moved, right after its attention, into one buffer made for
     every layer's at the first (a CPU's heap otherwise keeps each layer's small cache among the large activations
     freed around it, as holes the next layers cannot reuse: the 1.5B's prefill of 8k tokens peaked 0.1 GB higher so).
-    A layer shaped otherwise than the first (a sliding window's tail) stays where it is."""
+    A layer holding fewer than the prompt's n positions (a sliding window's tail) stays where it is."""
     layers = len(attention_layers(model))
     held: dict[str, torch.Tensor] = {}
 
     def move(module, args, output) -> None:
         layer = cache.layers[module.layer_idx]
         keys, values = layer.keys, layer.values  # (1, kv_heads, n, head_dim) each
+        if keys.shape[2] != n:
+            return
         if "buffer" not in held:
             held["buffer"] = keys.new_empty((layers, 2, *keys.shape))
         buffer = held["buffer"]  # (layers, 2, 1, kv_heads, n, head_dim)
@@ -104,7 +106,7 @@ def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
     plan = None
     if cut is not None and n > cut.budget:
         plan = CompressionPlan(cut, cut.window)
-    with (compressing(model, plan) if plan else _cache_in_one_buffer(model, cache),
+    with (compressing(model, plan) if plan else _cache_in_one_buffer(model, cache, n),
           _reporting_layers(model, on_layer),
           chunked_feed_forward(model, chunk_tokens) if n > chunk_tokens else nullcontext()):
         run_forward(model, context_ids.to(device).unsqueeze(0), cache)
