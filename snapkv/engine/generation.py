@@ -59,14 +59,14 @@ def _cache_in_one_buffer(model, cache: DynamicCache, n: int) -> Iterator[None]:
     """Within the block, each layer's keys and values are moved, right after its attention, into one buffer made for
     every layer's at the first (a CPU's heap otherwise keeps each layer's small cache among the large activations
     freed around it, as holes the next layers cannot reuse: the 1.5B's prefill of 8k tokens peaked 0.1 GB higher so).
-    A layer holding fewer than the prompt's n positions (a sliding window's tail) stays where it is."""
+    A layer holding fewer than the prompt's n positions (a sliding window's tail), or on a GPU, stays where it is."""
     layers = len(attention_layers(model))
     held: dict[str, torch.Tensor] = {}
 
     def move(module, args, output) -> None:
         layer = cache.layers[module.layer_idx]
         keys, values = layer.keys, layer.values  # (1, kv_heads, n, head_dim) each
-        if keys.shape[2] != n:
+        if keys.shape[2] != n or keys.device.type != "cpu":  # a GPU's caching allocator has no such holes
             return
         if "buffer" not in held:
             held["buffer"] = keys.new_empty((layers, 2, *keys.shape))
