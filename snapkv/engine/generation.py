@@ -3,7 +3,7 @@
 The engine knows token ids only; callers decode and print.
 """
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -54,34 +54,6 @@ def _reporting_layers(model, on_layer: Callable[[int, int], None] | None):
     return hooked_attention(model, lambda *_: on_layer(next(done), total))
 
 
-@contextmanager
-def _cache_in_one_buffer(model, cache: DynamicCache, n: int) -> Iterator[None]:
-    """Within the block, each layer's keys and values are moved, right after its attention, into one buffer made for
-    every layer's at the first (a CPU's heap otherwise keeps each layer's small cache among the large activations
-    freed around it, as holes the next layers cannot reuse: the 1.5B's prefill of 8k tokens peaked 0.1 GB higher so).
-    A layer holding fewer than the prompt's n positions (a sliding window's tail), or on a GPU, stays where it is."""
-    layers = len(attention_layers(model))
-    held: dict[str, torch.Tensor] = {}
-
-    def move(module, args, output) -> None:
-        layer = cache.layers[module.layer_idx]
-        keys, values = layer.keys, layer.values  # (1, kv_heads, n, head_dim) each
-        if keys.shape[2] != n or keys.device.type != "cpu":  # a GPU's caching allocator has no such holes
-            return
-        if "buffer" not in held:
-            held["buffer"] = keys.new_empty((layers, 2, *keys.shape))
-        buffer = held["buffer"]  # (layers, 2, 1, kv_heads, n, head_dim)
-        if any(part.shape != buffer.shape[2:] or part.dtype != buffer.dtype for part in (keys, values)):
-            return
-        slot = buffer[module.layer_idx]
-        slot[0].copy_(keys)
-        slot[1].copy_(values)
-        layer.keys, layer.values = slot[0], slot[1]
-
-    with hooked_attention(model, move):
-        yield
-
-
 @torch.inference_mode()
 def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
             on_layer: Callable[[int, int], None] | None = None,
@@ -106,8 +78,7 @@ def prefill(model, context_ids: torch.Tensor, cut: Cut | None,
     plan = None
     if cut is not None and n > cut.budget:
         plan = CompressionPlan(cut, cut.window)
-    with (compressing(model, plan) if plan else _cache_in_one_buffer(model, cache, n),
-          _reporting_layers(model, on_layer),
+    with (compressing(model, plan) if plan else nullcontext(), _reporting_layers(model, on_layer),
           chunked_feed_forward(model, chunk_tokens) if n > chunk_tokens else nullcontext()):
         run_forward(model, context_ids.to(device).unsqueeze(0), cache)
     positions = []
