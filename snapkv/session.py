@@ -437,7 +437,7 @@ class Session:
             started = time.perf_counter()
             sized = plan.sized_for(cache.original_length, cache.document)
             derived = derive_tier(self.loaded.model, self.prompter, cache, sized.after_prefill, plan.bits, on_step,
-                                  scores_memo)
+                                  scores_memo, QUESTION_ROOM)
             wait_for_device(self.loaded.device)
             seconds = time.perf_counter() - started
         return PreparedDocument(whole.document, derived, plan.per_question, prefill_seconds=seconds,

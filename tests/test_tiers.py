@@ -352,6 +352,12 @@ def test_rounding_one_layer_at_a_time_stores_what_rounding_the_whole_cache_twice
                 _same_stored_part(part, expected_part)
         for found, expected in zip(list(layered.keys) + list(layered.values), whole.keys + whole.values):
             assert found.dtype == torch.float32 and torch.equal(found, expected)
+    # rounded whole, held deferred where it can be (a tier derived from a whole cache: nothing restored whole)
+    held = _random_cache(source, key_scale).to("cpu", torch.float32).at_precision(16).at_precision(bits,
+                                                                                                  question_room=16)
+    assert held.deferred == (Bits.parse(bits).values < 16)
+    for found, expected in zip(list(held.keys) + list(held.values), whole.keys + whole.values):
+        assert torch.equal(found, expected)
 
 
 def test_a_fresh_prefill_is_held_in_its_stored_bits_as_a_loaded_file_is(tiny_loaded, tmp_path):

@@ -144,11 +144,12 @@ def sharper_positions(model, prompter, cache: CompressedCache, share: float,
 
 
 def at_stored_precision(model, prompter, cache: CompressedCache, bits: "Bits | int",
-                        on_step: Progress | None = None) -> CompressedCache:
-    """`cache` rounded to `bits`, its sharper share (if any) ranked by the probes."""
+                        on_step: Progress | None = None, question_room: int = 0) -> CompressedCache:
+    """`cache` rounded to `bits`, its sharper share (if any) ranked by the probes; deferred where it can be with
+    question_room > 0 (CompressedCache.at_precision)."""
     bits = Bits.parse(bits)
     sharp = sharper_positions(model, prompter, cache, bits.share, on_step) if bits.share else None
-    return cache.at_precision(bits, sharp)
+    return cache.at_precision(bits, sharp, question_room)
 
 
 def _protected(cache: CompressedCache) -> list[range]:
@@ -158,11 +159,13 @@ def _protected(cache: CompressedCache) -> list[range]:
 
 
 def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: "Bits | int",
-                on_step: Progress | None = None, scores_memo: dict | None = None) -> CompressedCache:
+                on_step: Progress | None = None, scores_memo: dict | None = None,
+                question_room: int = 0) -> CompressedCache:
     """The stored tier `cut` (sized for this prompt already, or None) of a whole-prompt cache, in `bits` bits.
 
     scores_memo: a dict in which the scores of each method are kept for this cache (measurements that cut
     one cache at several sizes score it once).
+    question_room: > 0 to hold the tier deferred where it can be, as a loaded file's (CompressedCache.at_precision).
     """
     if cut is not None:
         if whole.compressed or whole.tier.bits != 16 or whole.payload is None or cut.method.scores_during_prefill:
@@ -175,7 +178,7 @@ def derive_tier(model, prompter, whole: CompressedCache, cut: Cut | None, bits: 
             if scores_memo is not None:
                 scores_memo[method] = scores
         whole = keep_best(whole, scores, cut, _protected(whole))
-    return at_stored_precision(model, prompter, whole, bits, on_step)
+    return at_stored_precision(model, prompter, whole, bits, on_step, question_room)
 
 
 def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan: Plan, tier: Tier,
@@ -189,8 +192,8 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan
     on_chunk: progress of a prefill in chunks (tokens done, in all); on_layer if not given.
     prefill_dtype: the prefill's matrix products in this dtype (CPU autocast: bf16 over fp32 weights), its keys and
     values then held in the weights' dtype as any other cache.
-    question_room: > 0 to have the cache deferred where it can be, as a loaded file's (CompressedCache.
-    stored_one_layer_at_a_time), with this many free rows for a question.
+    question_room: > 0 to have the cache deferred where it can be, as a loaded file's (CompressedCache._holding),
+    with this many free rows for a question.
     """
     plan = plan.sized_for(len(context_ids), document)
     during, after, bits = plan.during_prefill, plan.after_prefill, plan.bits
@@ -213,9 +216,9 @@ def build_tier(model, prompter, context_ids: torch.Tensor, document: range, plan
         if after is not None:
             # cut the whole cache as a 16-bit file of it would hold it, so that deriving this tier later from such
             # a file gives the same cache
-            cache = derive_tier(model, prompter, cache, after, bits, on_step)
+            cache = derive_tier(model, prompter, cache, after, bits, on_step, question_room=question_room)
         else:
-            cache = at_stored_precision(model, prompter, cache, bits, on_step)
+            cache = at_stored_precision(model, prompter, cache, bits, on_step, question_room)
     if timings is not None:
         timings.update(prefill_seconds=prefilled - started, tier_seconds=time.perf_counter() - prefilled)
     return cache

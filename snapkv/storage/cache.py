@@ -205,29 +205,36 @@ class CompressedCache:
                                  for x, scheme in zip(restored_16, schemes)))
             del layer
         self.keys, self.values = [], []
+        return self._holding(payload, bits, compute, question_room)
+
+    def _holding(self, payload: list[tuple], bits: Bits, compute: torch.dtype, question_room: int) -> "CompressedCache":
+        """This cache holding `payload` (per layer its stored (keys, values)) in `bits`: deferred with question_room
+        > 0 on a CPU where each layer keeps its values in fewer bits (snapkv.storage.deferred: as a loaded file is),
+        else restored in `compute`."""
         tier = replace(self.tier, bits=bits)
-        defer = (question_room > 0 and compute in (torch.float32, torch.bfloat16) and self.device.type == "cpu"
-                 and all(not all(isinstance(part, torch.Tensor) for part in pair) for pair in payload))
-        if defer:
+        if question_room > 0 and bits.values < 16 and compute in (torch.float32, torch.bfloat16) \
+                and self.device.type == "cpu":
             keys, values = (StoredLayers([pair[kind] for pair in payload], compute) for kind in (0, 1))
             return replace(self, keys=keys, values=values, payload=payload, tier=tier, question_room=question_room)
         keys, values = ([part.to(compute) if isinstance(part, torch.Tensor) else dequantize(part, compute)
                          for part in (pair[kind] for pair in payload)] for kind in (0, 1))
-        return replace(self, keys=keys, values=values, payload=payload, tier=tier)
+        return replace(self, keys=keys, values=values, payload=payload, tier=tier, question_room=0)
 
-    def at_precision(self, bits: "Bits | int", sharp: list[torch.Tensor] | None = None) -> "CompressedCache":
+    def at_precision(self, bits: "Bits | int", sharp: list[torch.Tensor] | None = None,
+                     question_room: int = 0) -> "CompressedCache":
         """The cache as it is stored: every key and value rounded to `bits` bits (16: a 16-bit dtype, whatever
         the compute dtype), with that stored form kept as `payload` for the file, so that a cache answers the
         same before it is saved and after it is loaded.
 
         sharp: with a sharper share (Bits.share), per layer (kv_heads, kept) bool, the held positions kept in
         the share's bits (snapkv.engine.tiers.sharper_positions chooses them).
+        question_room: > 0 to hold it deferred where it can be (_holding), never restored whole.
         """
         bits = Bits.parse(bits)
         if bool(bits.share) != (sharp is not None):
             raise ValueError(f"{bits} bits {'need' if bits.share else 'take no'} sharper positions")
         compute = self.keys[0].dtype
-        keys, values, payload = [], [], []
+        payload = []
         in_sixteen = [part for part, kind_bits in ((self.keys, bits.keys), (self.values, bits.values)) if kind_bits == 16]
         sixteen = storage_dtype(compute, [t for part in in_sixteen for t in part]) if in_sixteen else None
         for index, (layer_keys, layer_values) in enumerate(zip(self.keys, self.values)):
@@ -240,9 +247,5 @@ class CompressedCache:
                 sharper = stored_schemes(bits.sharper, layer_keys.shape[-1])
                 stored = tuple(quantize_mixed(x, sharp[index], high, low) for x, high, low
                                in zip((layer_keys, layer_values), sharper, schemes))
-            restored = [part.to(compute) if isinstance(part, torch.Tensor) else dequantize(part, compute)
-                        for part in stored]
-            keys.append(restored[0])
-            values.append(restored[1])
             payload.append(stored)
-        return replace(self, keys=keys, values=values, payload=payload, tier=replace(self.tier, bits=bits))
+        return self._holding(payload, bits, compute, question_room)
