@@ -178,9 +178,8 @@ class CompressedCache:
         that the prefill's cache is never held beside two more copies of itself (the 1.5B at 31k held 8.5 GB so).
 
         compute: the dtype the keys and values are restored in (default: theirs; a bf16 prefill's cache over fp32
-        weights is restored in fp32). question_room > 0: on a CPU, where every layer keeps a kind in fewer bits, the
-        result is deferred as a loaded file's is (snapkv.storage.deferred: the stored codes only, each question's
-        pass restores layer after layer, with this many free rows after each head's positions).
+        weights is restored in fp32). question_room > 0: the result deferred where it can be, with this many free rows
+        after each head's positions (_holding).
         """
         bits = Bits.parse(bits)
         if bits.share:
